@@ -1,0 +1,115 @@
+"""LossOptions: every knob of the loss, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+_REDUCTIONS = ("mean", "sum", "none")
+_VOCAB_REDUCTIONS = ("mean", "sum")
+
+
+def _fail(name: str, value, expected: str):
+    raise ValueError(f"LossOptions.{name}={value!r} is invalid: expected {expected}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """Options shared by every strategy.
+
+    The per-logit loss is ``y'·P(x) + (1 − y')·Q(x)`` with the soft label
+    ``y' = y(1 − label_smoothing) + label_smoothing/2`` and
+
+        P(x) = pos_weight · α · (1 − σ(x))^γ · softplus(−x)
+        Q(x) = (1 − α) · σ(x)^γ · softplus(x)
+
+    where γ = ``focal_gamma`` and α = ``focal_alpha`` (α-factors are 1 when
+    ``focal_alpha`` is None). The position loss sums over the vocabulary and is
+    divided by V when ``vocab_reduction='mean'``.
+
+    Attributes:
+      reduction: 'mean' (Σ w·ℓ / Σ w, 0 when Σ w = 0), 'sum' (Σ w·ℓ) or 'none'
+        (w·ℓ per position, shape of ``hidden[..., 0]``).
+      vocab_reduction: 'mean' divides each position's loss by the vocabulary
+        size (Keras convention), 'sum' does not.
+      pad_id: target id that marks padding (ignored, not counted as invalid).
+      label_smoothing: ε in [0, 1).
+      pos_weight: multiplier of the positive term, > 0.
+      focal_gamma: γ ≥ 0 (0 = plain BCE).
+      focal_alpha: α in [0, 1] or None.
+      threshold: logit threshold for the TP/FP/FN/TN metrics (x > threshold is
+        a positive prediction).
+      block_v: vocabulary block size (None = chosen from the shape).
+      block_n: row block size (None = chosen from the shape).
+      compute_metrics: whether to count TP/FP/FN/TN.
+      vocab_size: the real vocabulary size; table rows ≥ vocab_size are inert
+        (no loss, no metrics, zero gradient). None = every table row.
+      interpret: Pallas strategies only: run kernels in interpret mode
+        (None = automatically off TPU).
+    """
+
+    reduction: str = "mean"
+    vocab_reduction: str = "mean"
+    pad_id: int = -1
+    label_smoothing: float = 0.0
+    pos_weight: float = 1.0
+    focal_gamma: float = 0.0
+    focal_alpha: Optional[float] = None
+    threshold: float = 0.0
+    block_v: Optional[int] = None
+    block_n: Optional[int] = None
+    compute_metrics: bool = True
+    vocab_size: Optional[int] = None
+    interpret: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.reduction not in _REDUCTIONS:
+            _fail("reduction", self.reduction, f"one of {_REDUCTIONS}")
+        if self.vocab_reduction not in _VOCAB_REDUCTIONS:
+            _fail("vocab_reduction", self.vocab_reduction, f"one of {_VOCAB_REDUCTIONS}")
+        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int):
+            _fail("pad_id", self.pad_id, "an int (typically -1)")
+        _check_real("label_smoothing", self.label_smoothing, lambda v: 0.0 <= v < 1.0, "a float in [0, 1)")
+        _check_real("pos_weight", self.pos_weight, lambda v: v > 0.0, "a finite float > 0")
+        _check_real("focal_gamma", self.focal_gamma, lambda v: v >= 0.0, "a finite float >= 0")
+        if self.focal_alpha is not None:
+            _check_real("focal_alpha", self.focal_alpha, lambda v: 0.0 <= v <= 1.0, "None or a float in [0, 1]")
+        _check_real("threshold", self.threshold, lambda v: True, "a finite float")
+        for name in ("block_v", "block_n", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                _fail(name, value, "None or a positive int")
+        for name in ("compute_metrics",):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "True or False")
+        if self.interpret is not None and not isinstance(self.interpret, bool):
+            _fail("interpret", self.interpret, "None, True or False")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def replace(self, **changes) -> "LossOptions":
+        return dataclasses.replace(self, **changes)
+
+    # Coefficients of the dense background Σ_v [c_p·P + c_q·Q] and of the sparse
+    # correction Σ_t c_t·(P − Q); see DESIGN.md "The math".
+    @property
+    def background_p(self) -> float:
+        return self.label_smoothing / 2.0
+
+    @property
+    def background_q(self) -> float:
+        return 1.0 - self.label_smoothing / 2.0
+
+    @property
+    def correction(self) -> float:
+        return 1.0 - self.label_smoothing
+
+
+def _check_real(name, value, ok, expected):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(name, value, expected)
+    if not math.isfinite(float(value)) or not ok(float(value)):
+        _fail(name, value, expected)

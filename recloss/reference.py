@@ -1,0 +1,106 @@
+"""The Bernoulli loss terms (P, Q) and the dense reference op (`dense_bce`).
+
+Every strategy evaluates logits through `bernoulli_terms`, so the blocked
+passes and the dense baseline cannot drift apart in their math.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from recloss.options import LossOptions
+from recloss import targets as targets_lib
+
+
+def bernoulli_terms(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = True):
+    """Returns ``(cp·P(x) + cq·Q(x), d/dx of it)`` elementwise, in float32.
+
+    With s = σ(x), sp = softplus:
+        P  = pos_weight·α·(1−s)^γ·sp(−x),   P' = −pos_weight·α·(1−s)^γ·(γ·s·sp(−x) + (1−s))
+        Q  = (1−α)·s^γ·sp(x),                Q' = (1−α)·s^γ·(γ·(1−s)·sp(x) + s)
+    Powers are taken as exp(−γ·sp(∓x)) so x = ±1e4 stays finite. Terms whose
+    coefficient is 0 are skipped at trace time. The gradient is None when
+    ``grad=False``.
+    """
+    x = x.astype(jnp.float32)
+    gamma = float(opts.focal_gamma)
+    alpha = opts.focal_alpha
+    kp = cp * opts.pos_weight * (1.0 if alpha is None else alpha)
+    kq = cq * (1.0 if alpha is None else 1.0 - alpha)
+    use_p, use_q = kp != 0.0, kq != 0.0
+
+    e = jnp.exp(-jnp.abs(x))
+    log_term = jnp.log1p(e)
+    relu = jnp.maximum(x, 0.0)
+    sp_pos = relu + log_term               # softplus(x)
+    sp_neg = sp_pos - x                    # softplus(-x)
+    if grad or gamma != 0.0:
+        inv = 1.0 / (1.0 + e)
+        s = jnp.where(x >= 0, inv, e * inv)    # σ(x)
+        one_minus_s = jnp.where(x >= 0, e * inv, inv)
+
+    value = jnp.zeros_like(x)
+    dvalue = jnp.zeros_like(x) if grad else None
+    if use_q:
+        if gamma == 0.0:
+            value = value + kq * sp_pos
+            if grad:
+                dvalue = dvalue + kq * s
+        else:
+            s_pow = jnp.exp(-gamma * sp_neg)   # s^γ
+            value = value + kq * s_pow * sp_pos
+            if grad:
+                dvalue = dvalue + kq * s_pow * (gamma * one_minus_s * sp_pos + s)
+    if use_p:
+        if gamma == 0.0:
+            value = value + kp * sp_neg
+            if grad:
+                dvalue = dvalue - kp * one_minus_s
+        else:
+            t_pow = jnp.exp(-gamma * sp_pos)   # (1−s)^γ
+            value = value + kp * t_pow * sp_neg
+            if grad:
+                dvalue = dvalue - kp * t_pow * (gamma * s * sp_neg + one_minus_s)
+    return value, dvalue
+
+
+def elementwise_loss(x, y, opts: LossOptions):
+    """Per-logit loss y'·P(x) + (1 − y')·Q(x) for a hard label y ∈ {0, 1} (float)."""
+    ysoft = y * (1.0 - opts.label_smoothing) + opts.label_smoothing / 2.0
+    p, _ = bernoulli_terms(x, opts, 1.0, 0.0, grad=False)
+    q, _ = bernoulli_terms(x, opts, 0.0, 1.0, grad=False)
+    return ysoft * p + (1.0 - ysoft) * q
+
+
+def dense_bce(hidden, table, bias, targets, row_weights, opts: LossOptions, *, vocab_offset=0,
+              vocab_size: int):
+    """Dense baseline on one shard: logits [M, V_local] and a multi-hot label matrix.
+
+    Args:
+      hidden: [M, D]; table: [V_local, D]; bias: [V_local] or None;
+      targets: [M, L] global ids; row_weights: [M] float32 scale applied to
+      each position's (already vocab-reduced) loss.
+      vocab_offset: global id of table row 0. vocab_size: the real V.
+    Returns:
+      (weighted loss rows [M], per-row metric counts dict) — see `targets.row_counts`.
+    """
+    m, v_local = hidden.shape[0], table.shape[0]
+    logits = jnp.dot(hidden, table.T, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)[None, :]
+    ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, v_local, vocab_size)
+    rows = jnp.broadcast_to(jnp.arange(m)[:, None], ids.shape)
+    labels = jnp.zeros((m, v_local), jnp.float32).at[rows, jnp.where(valid, ids, v_local)].set(
+        1.0, mode="drop")
+    live = (jnp.arange(v_local) + vocab_offset) < vocab_size
+    per_logit = jnp.where(live[None, :], elementwise_loss(logits, labels, opts), 0.0)
+    loss_rows = row_weights * jnp.sum(per_logit, axis=-1)
+    pred = jnp.where(live[None, :], logits > opts.threshold, False)
+    stop = jax.lax.stop_gradient
+    counts = {
+        "predicted": jnp.sum(stop(pred), axis=-1, dtype=jnp.float32),
+        "tp": jnp.sum(stop(pred) & (labels > 0), axis=-1, dtype=jnp.float32),
+        "targets": jnp.sum(labels, axis=-1),
+    }
+    return loss_rows, counts

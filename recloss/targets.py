@@ -1,0 +1,73 @@
+"""Target ids: padding, duplicates, invalid ids, vocab offsets and the sparse correction.
+
+A position's target set T is its unique ids in ``[0, vocab_size)``; ``pad_id``
+is padding; any other id is ignored and counted as invalid. On a vocab shard
+that owns global ids ``[vocab_offset, vocab_offset + V_local)`` only the owned
+ids are corrected there, so summing shards gives each target exactly once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from recloss.options import LossOptions
+
+
+def unique_sorted(targets):
+    """Sorts each row of ``targets [M, L]`` and marks repeats: returns (sorted ids, first-occurrence mask)."""
+    ids = jnp.sort(targets.astype(jnp.int32), axis=-1)
+    first = jnp.concatenate(
+        [jnp.ones(ids.shape[:-1] + (1,), bool), ids[..., 1:] != ids[..., :-1]], axis=-1)
+    return ids, first
+
+
+def local_targets(targets, pad_id: int, vocab_offset, v_local: int, vocab_size: int):
+    """Target ids local to a vocab shard.
+
+    Args:
+      targets: [M, L] global ids. vocab_offset: global id of the shard's first
+      row (int or traced scalar). v_local: rows on the shard. vocab_size: real V.
+    Returns:
+      (local ids [M, L] int32 in [0, v_local) where valid, valid mask [M, L]):
+      valid = first occurrence, not pad_id, in [0, vocab_size), owned by this shard.
+    """
+    ids, first = unique_sorted(targets)
+    local = ids - vocab_offset
+    valid = (first & (ids != pad_id) & (ids >= 0) & (ids < vocab_size)
+             & (local >= 0) & (local < v_local))
+    return jnp.where(valid, local, 0), valid
+
+
+def invalid_count(targets, pad_id: int, vocab_size: int):
+    """Number of entries of ``targets`` that are neither ``pad_id`` nor in [0, vocab_size)."""
+    t = targets.astype(jnp.int32)
+    bad = (t != pad_id) & ((t < 0) | (t >= vocab_size))
+    return jnp.sum(bad, dtype=jnp.float32)
+
+
+def correction(hidden, table, bias, ids, valid, opts: LossOptions):
+    """The sparse part of the loss: Σ_{t∈T} (1 − ε)·[P(x_t) − Q(x_t)] per row.
+
+    Args:
+      hidden: [M, D]; table: [V_local, D]; bias: [V_local] or None;
+      ids, valid: from `local_targets`, [M, L].
+    Returns:
+      (correction [M] float32, differentiable; target logits [M, L] float32,
+      gradient stopped, for the metrics). Costs O(M·L·D).
+    """
+    from recloss.reference import bernoulli_terms  # reference imports this module
+
+    rows = jnp.take(table, ids, axis=0)                    # [M, L, D]
+    x = jnp.einsum("md,mld->ml", hidden, rows, preferred_element_type=jnp.float32)
+    if bias is not None:
+        x = x + jnp.take(bias, ids, axis=0).astype(jnp.float32)
+    c = opts.correction
+    value, _ = bernoulli_terms(x, opts, c, -c, grad=False)
+    return jnp.sum(jnp.where(valid, value, 0.0), axis=-1), jax.lax.stop_gradient(x)
+
+
+def target_counts(target_logits, valid, threshold: float):
+    """Per-row (true positives, number of targets) from the target logits."""
+    hit = valid & (target_logits > threshold)
+    return jnp.sum(hit, axis=-1, dtype=jnp.float32), jnp.sum(valid, axis=-1, dtype=jnp.float32)

@@ -58,18 +58,21 @@ class Strategy:
         return sharding.default_specs(layout, self.options)
 
     def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size: int,
-                   scalar: bool):
+                   scalar: bool, platform: str):
         """One shard's loss part and per-row counts.
 
         Args: hidden [M, D], table [V_local, D], bias [V_local] or None, targets
-        [M, L] global ids, row_scale [M] f32 (weight·vocab scale / normaliser).
+        [M, L] global ids, row_scale [M] f32 (weight·vocab scale / normaliser),
+        vocab_offset: global id of table row 0 (int or traced scalar),
+        platform: where the computation will run ('cpu', 'gpu', 'tpu').
         Returns: (Σ_i row_scale_i·ℓ_i if scalar else row_scale·ℓ [M], counts dict of [M] f32).
         """
         raise NotImplementedError
 
     def __call__(self, hidden, table, targets, weights=None, bias=None, *, layout=None) -> LossOutput:
         hidden, table, targets, weights, bias = _validate(hidden, table, targets, weights, bias)
-        self.check_platform(_platform(layout))
+        platform = _platform(layout)
+        self.check_platform(platform)
         lead = hidden.shape[:-1]
         h2 = hidden.reshape(-1, hidden.shape[-1])
         t2 = targets.reshape(-1, targets.shape[-1])
@@ -80,14 +83,15 @@ class Strategy:
             from recloss import sharding
             out = sharding.run(self, h2, table, bias, t2, w, layout=layout, vocab_size=vocab_size)
         else:
-            out = assemble(self, h2, table, bias, t2, w, vocab_offset=0, vocab_size=vocab_size)
+            out = assemble(self, h2, table, bias, t2, w, vocab_offset=0, vocab_size=vocab_size,
+                           platform=platform)
         if self.options.reduction == "none":
             out = LossOutput(out.loss.reshape(lead), out.metrics)
         return out
 
 
 def assemble(strategy: Strategy, hidden, table, bias, targets, w, *, vocab_offset, vocab_size: int,
-             reducer: Reducer = Reducer()) -> LossOutput:
+             platform: str, reducer: Reducer = Reducer()) -> LossOutput:
     """Loss and metrics of one shard, reduced to global values by ``reducer``."""
     opts = strategy.options
     weight_sum = reducer.batch(jnp.sum(w))
@@ -97,7 +101,8 @@ def assemble(strategy: Strategy, hidden, table, bias, targets, w, *, vocab_offse
         row_scale = row_scale / jnp.where(weight_sum > 0, weight_sum, 1.0)
     scalar = opts.reduction != "none"
     loss, counts = strategy.local_loss(hidden, table, bias, targets, row_scale,
-                                       vocab_offset=vocab_offset, vocab_size=vocab_size, scalar=scalar)
+                                       vocab_offset=vocab_offset, vocab_size=vocab_size, scalar=scalar,
+                                       platform=platform)
     loss = reducer.vocab(loss)
     if scalar:
         loss = reducer.batch(loss)
@@ -117,7 +122,8 @@ class DenseBCE(Strategy):
 
     name = "dense_bce"
 
-    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar):
+    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar,
+                   platform):
         rows, counts = reference.dense_bce(hidden, table, bias, targets, row_scale, self.options,
                                            vocab_offset=vocab_offset, vocab_size=vocab_size)
         if not self.options.compute_metrics:
@@ -132,8 +138,10 @@ class CutBCE(Strategy):
 
     name = "cutbce"
 
-    def background(self, hidden, table, bias, row_scale, vocab_offset, *, vocab_size, scalar):
-        """(Σ r·bg or bg rows [M], predicted counts [M] or None): the dense part of the loss."""
+    def background(self, hidden, table, bias, row_scale, vocab_offset, *, vocab_size, scalar, platform):
+        """(Σ r·bg or bg rows [M], predicted counts [M] or None): the dense part of the loss.
+
+        Subclasses (other kernels) override this; the sparse correction is shared."""
         static = vocab_offset if isinstance(vocab_offset, int) else None
         p = cut.plan(hidden.shape[0], table.shape[0], self.options, vocab_size=vocab_size,
                      static_offset=static)
@@ -141,13 +149,14 @@ class CutBCE(Strategy):
             return cut.background_total(hidden, table, bias, row_scale, vocab_offset, p)
         return cut.background_rows(hidden, table, bias, vocab_offset, p)
 
-    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar):
+    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar,
+                   platform):
         opts = self.options
         ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, table.shape[0],
                                                vocab_size)
         corr, target_logits = targets_lib.correction(hidden, table, bias, ids, valid, opts)
         bg, predicted = self.background(hidden, table, bias, row_scale, vocab_offset,
-                                        vocab_size=vocab_size, scalar=scalar)
+                                        vocab_size=vocab_size, scalar=scalar, platform=platform)
         loss = bg + jnp.sum(row_scale * corr) if scalar else row_scale * (bg + corr)
         tp, n = targets_lib.target_counts(target_logits, valid, opts.threshold)
         counts = {"targets": n}
@@ -280,6 +289,7 @@ def _vocab_size(opts: LossOptions, rows: int, layout) -> int:
 
 
 def _platform(layout) -> str:
+    """Platform of the layout's mesh (TPU when compiling for a TPU topology), else the default backend."""
     if layout is not None:
         return layout.platform
     return jax.default_backend()

@@ -46,24 +46,30 @@ class Plan(NamedTuple):
 
 
 def plan(m: int, v_local: int, opts: LossOptions, *, vocab_size: int, static_offset: Optional[int]) -> Plan:
-    """Chooses block sizes for M rows and a V_local-row table (explicit options win)."""
-    block_n = opts.block_n or min(m, _MAX_ROWS)
-    block_n = max(1, min(block_n, m))
+    """Chooses block sizes for M rows and a V_local-row table (explicit options win).
+
+    The default block_v is a power of two sized to ``_TILE_BYTES`` of logits, or a
+    divisor of V_local within a factor 2 below it: then the table is walked in
+    place and the emitted dE blocks already form [V_local, D], with no copy.
+    """
+    block_n = max(1, min(opts.block_n or min(m, _MAX_ROWS), m))
     if opts.block_v:
         block_v = opts.block_v
     else:
-        block_v = max(128, min(8192, _TILE_BYTES // (4 * block_n)))
-        block_v = 1 << (block_v.bit_length() - 1)
+        target = max(128, min(8192, _TILE_BYTES // (4 * block_n)))
+        target = 1 << (target.bit_length() - 1)
+        block_v = next((c for c in range(target, target // 2, -1) if v_local % c == 0), target)
     block_v = max(1, min(block_v, v_local))
-    padded = _cdiv(v_local, block_v) * block_v != v_local
-    mask = padded or static_offset is None or static_offset + v_local > vocab_size
+    mask = static_offset is None or static_offset + v_local > vocab_size
     return Plan(opts, vocab_size, block_v, block_n, mask)
 
 
 def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: bool):
     """One pass over vocab blocks for rows a [M, D].
 
-    r [M] scales each row's gradient (ignored when want_grad is False).
+    Full blocks are read in place with dynamic slices; a shorter tail block (when
+    block_v does not divide V_local) is one extra step. r [M] scales each row's
+    gradient (ignored when want_grad is False).
     Returns (bg rows [M] f32, predicted-positive rows [M] f32, dA [M, D] f32,
     dE [V_local, D] f32, db [V_local] f32 or None); entries not asked for are None.
     """
@@ -71,39 +77,32 @@ def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: boo
     m, d = a.shape
     v = e.shape[0]
     bv = p.block_v
-    nb = _cdiv(v, bv)
-    pad = nb * bv - v
-    e_blocks = jnp.pad(e, ((0, pad), (0, 0))).reshape(nb, bv, d)
-    b_blocks = None if b is None else jnp.pad(b, (0, pad)).reshape(nb, bv)
-    cdt = e.dtype if e.dtype == a.dtype else jnp.promote_types(a.dtype, e.dtype)
+    nb, tail = divmod(v, bv)
+    cdt = jnp.promote_types(a.dtype, e.dtype)
     cp, cq = opts.background_p, opts.background_q
     count = want_loss and opts.compute_metrics
 
-    def step(carry, blk):
-        j, e_j, b_j = blk
+    def block(carry, e_j, b_j, col0):
         x = jnp.dot(a, e_j.T, preferred_element_type=jnp.float32)       # [M, bv]
         if b_j is not None:
             x = x + b_j.astype(jnp.float32)[None, :]
         val, dval = bernoulli_terms(x, opts, cp, cq, grad=want_grad)
         live = None
-        if p.mask:
-            col = j * bv + jnp.arange(bv)
-            live = (col < v) & (col + vocab_offset < p.vocab_size)
+        if p.mask:   # columns past the real vocabulary (padding rows of a sharded table)
+            live = (col0 + jnp.arange(e_j.shape[0]) + vocab_offset < p.vocab_size)[None, :]
         bg, pred, da = carry
         out = {}
         if want_loss:
             if live is not None:
-                val = jnp.where(live[None, :], val, 0.0)
+                val = jnp.where(live, val, 0.0)
             bg = bg + jnp.sum(val, axis=-1)
             if count:
                 hit = x > opts.threshold
-                if live is not None:
-                    hit = hit & live[None, :]
-                pred = pred + jnp.sum(hit, axis=-1, dtype=jnp.float32)
+                pred = pred + jnp.sum(hit if live is None else hit & live, axis=-1, dtype=jnp.float32)
         if want_grad:
             g = dval * r[:, None]
             if live is not None:
-                g = jnp.where(live[None, :], g, 0.0)
+                g = jnp.where(live, g, 0.0)
             gc = g.astype(cdt)
             da = da + jnp.dot(gc, e_j, preferred_element_type=jnp.float32)
             out["de"] = jnp.dot(gc.T, a, preferred_element_type=jnp.float32)
@@ -111,13 +110,22 @@ def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: boo
                 out["db"] = jnp.sum(g, axis=0)
         return (bg, pred, da), out
 
+    def step(carry, j):
+        col0 = j * bv
+        e_j = jax.lax.dynamic_slice_in_dim(e, col0, bv)
+        b_j = None if b is None else jax.lax.dynamic_slice_in_dim(b, col0, bv)
+        return block(carry, e_j, b_j, col0)
+
     zeros_m = jnp.zeros((m,), jnp.float32)
-    init = (zeros_m, zeros_m, jnp.zeros((m, d), jnp.float32) if want_grad else jnp.zeros((), jnp.float32))
-    (bg, pred, da), outs = jax.lax.scan(step, init, (jnp.arange(nb), e_blocks, b_blocks))
-    de = outs["de"].reshape(nb * bv, d)[:v] if want_grad else None
-    db = outs["db"].reshape(nb * bv)[:v] if (want_grad and b is not None) else None
-    return (bg if want_loss else None, pred if count else None,
-            da if want_grad else None, de, db)
+    carry = (zeros_m, zeros_m, jnp.zeros((m, d) if want_grad else (), jnp.float32))
+    carry, outs = jax.lax.scan(step, carry, jnp.arange(nb))
+    outs = {k: o.reshape((nb * bv,) + o.shape[2:]) for k, o in outs.items()}
+    if tail:
+        carry, last = block(carry, e[nb * bv:], None if b is None else b[nb * bv:], nb * bv)
+        outs = {k: jnp.concatenate([outs[k], last[k]]) for k in outs}
+    bg, pred, da = carry
+    return (bg if want_loss else None, pred if count else None, da if want_grad else None,
+            outs.get("de"), outs.get("db"))
 
 
 def _row_chunked(a, e, b, r, vocab_offset, p: Plan, *, want_loss, want_grad):

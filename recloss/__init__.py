@@ -13,14 +13,18 @@ from recloss.registry import (
     get_strategy,
     register_strategy,
 )
+from recloss.sharding import MeshLayout, Specs, padded_vocab_size
 
 __all__ = [
     "LossOptions",
     "LossOutput",
+    "MeshLayout",
+    "Specs",
     "Strategy",
     "available_strategies",
     "bce_loss",
     "get_strategy",
+    "padded_vocab_size",
     "register_strategy",
 ]
 

@@ -1,0 +1,256 @@
+"""Sharded loss: mesh-axis roles, partition specs and the shard_map wrapper.
+
+Storage layout (M = flattened positions, V = table rows):
+
+    hidden  [M, D]  P(batch_axes, None)       table [V, D]  P((vocab_axis, fsdp_axis), None)
+    targets [M, L]  P(batch_axes, None)       bias  [V]     P((vocab_axis, fsdp_axis))
+    weights [M]     P(batch_axes)
+
+Inside `jax.shard_map` each device holds rows of the batch and a slice of the
+table. The table slice is all-gathered over ``fsdp_axis`` once (outside any
+block loop), giving the vocab shard's ``[V/|vocab|, D]`` rows whose first
+global id is ``vocab_offset = axis_index(vocab_axis)·V/|vocab|``. The strategy
+computes that shard's loss part; partial losses, weight sums and metrics are
+psum'ed over the batch axes and the vocab axis.
+
+Gradients come from autodiff of the collectives under shard_map's
+varying-manual-axes typing: before the strategy runs, hidden is cast to
+varying over ``vocab_axis`` and the table over the data axes (batch axes other
+than ``fsdp_axis``); those casts transpose to psums, and the all-gather
+transposes to a reduce-scatter. So
+
+    dA = psum_vocab(dA_local),   dE = psum_scatter_fsdp(psum_data(dE_local)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from recloss import _compat
+from recloss.registry import LossOutput, Reducer, assemble
+
+_LANES = 128
+
+
+def _axes_tuple(name, value) -> Tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(a, str) for a in value):
+        return tuple(value)
+    raise TypeError(f"MeshLayout.{name} must be a mesh axis name, a tuple of names or None, "
+                    f"got {value!r}")
+
+
+def _spec_entry(axes: Tuple[str, ...]):
+    """One PartitionSpec entry: None (replicated), a name, or a tuple of names (major first)."""
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+    """Roles of the axes of a device mesh for the sharded loss.
+
+    Attributes:
+      mesh: a `jax.sharding.Mesh` (devices may be a TPU topology's, for
+        ahead-of-time compilation).
+      batch_axes: axes the positions (rows of hidden/targets/weights) are split
+        over; must include ``fsdp_axis`` when that is set.
+      fsdp_axis: axis the table's storage is additionally split over (gathered
+        inside the op, gradient reduce-scattered back), or None.
+      vocab_axis: axis the vocabulary is split over (each shard computes its
+        own columns), or None.
+    A role may be None (the mesh lacks that axis) or an axis of size 1 (free).
+    """
+
+    mesh: Any
+    batch_axes: Tuple[str, ...] = ("data", "fsdp")
+    fsdp_axis: Optional[str] = "fsdp"
+    vocab_axis: Optional[str] = "vocab"
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"MeshLayout.mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+        object.__setattr__(self, "batch_axes", _axes_tuple("batch_axes", self.batch_axes))
+        for role in ("fsdp_axis", "vocab_axis"):
+            value = getattr(self, role)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"MeshLayout.{role} must be a mesh axis name or None, got {value!r}")
+        names = tuple(self.mesh.axis_names)
+        for role, axes in (("batch_axes", self.batch_axes), ("fsdp_axis", _axes_tuple("", self.fsdp_axis)),
+                           ("vocab_axis", _axes_tuple("", self.vocab_axis))):
+            for a in axes:
+                if a not in names:
+                    raise ValueError(f"MeshLayout.{role} names axis {a!r}, which the mesh does not have; "
+                                     f"the mesh's axes are {names} (use None for a missing role)")
+        if len(set(self.batch_axes)) != len(self.batch_axes):
+            raise ValueError(f"MeshLayout.batch_axes={self.batch_axes} repeats an axis")
+        if self.fsdp_axis is not None and self.fsdp_axis not in self.batch_axes:
+            raise ValueError(f"MeshLayout.fsdp_axis={self.fsdp_axis!r} must also be one of batch_axes="
+                             f"{self.batch_axes}: FSDP shards split the batch and gather the table")
+        if self.vocab_axis is not None and self.vocab_axis in self.batch_axes:
+            raise ValueError(f"MeshLayout.vocab_axis={self.vocab_axis!r} cannot also be a batch axis "
+                             f"(batch_axes={self.batch_axes})")
+
+    # ---------------------------------------------------------------- sizes
+    def axis_size(self, axis: Optional[str]) -> int:
+        """Size of a mesh axis; 1 for None."""
+        return 1 if axis is None else int(self.mesh.shape[axis])
+
+    @property
+    def platform(self) -> str:
+        """Platform of the mesh's devices ('cpu', 'gpu', 'tpu')."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
+    def data_axes(self) -> Tuple[str, ...]:
+        """Batch axes other than fsdp_axis: the table is replicated over them."""
+        return tuple(a for a in self.batch_axes if a != self.fsdp_axis)
+
+    @property
+    def batch_shards(self) -> int:
+        """How many pieces the rows are split into (product of the batch axes)."""
+        return math.prod(self.axis_size(a) for a in self.batch_axes)
+
+    @property
+    def vocab_shards(self) -> int:
+        return self.axis_size(self.vocab_axis)
+
+    @property
+    def fsdp_shards(self) -> int:
+        return self.axis_size(self.fsdp_axis)
+
+    @property
+    def table_axes(self) -> Tuple[str, ...]:
+        """Axes the table's rows are stored over, major first: (vocab_axis, fsdp_axis)."""
+        return tuple(a for a in (self.vocab_axis, self.fsdp_axis) if a is not None)
+
+    @property
+    def table_shards(self) -> int:
+        return self.vocab_shards * self.fsdp_shards
+
+    def batch_spec(self, ndim: int) -> P:
+        """P(batch_axes, None, ...) for an array of ``ndim`` dims split on its leading dim."""
+        if ndim < 1:
+            raise ValueError(f"batch_spec needs ndim >= 1, got {ndim}")
+        return P(_spec_entry(self.batch_axes), *([None] * (ndim - 1)))
+
+    # ---------------------------------------------------------------- checks
+    def check_rows(self, m: int):
+        """Raises unless ``m`` flattened positions split evenly over the batch shards."""
+        if m % self.batch_shards:
+            sizes = tuple(self.axis_size(a) for a in self.batch_axes)
+            raise ValueError(f"the batch has M={m} positions (hidden's leading dims flattened), which does "
+                             f"not divide into {self.batch_shards} batch shards (mesh axes {self.batch_axes} "
+                             f"of sizes {sizes}); use a batch that is a multiple of {self.batch_shards}")
+
+    def check_table(self, rows: int):
+        """Raises unless ``rows`` table rows split evenly over vocab × fsdp shards."""
+        if rows % self.table_shards:
+            raise ValueError(f"the table has {rows} rows, which does not divide into {self.table_shards} "
+                             f"shards (vocab_axis {self.vocab_axis!r} × fsdp_axis {self.fsdp_axis!r}); "
+                             f"allocate recloss.padded_vocab_size({rows}, layout)="
+                             f"{padded_vocab_size(rows, self)} rows and pass vocab_size={rows}")
+
+
+def padded_vocab_size(vocab_size: int, layout: Optional[MeshLayout] = None) -> int:
+    """Rows to allocate for a ``vocab_size``-item table under ``layout``.
+
+    The smallest multiple of vocab shards × fsdp shards × 128 that is ≥
+    vocab_size (128 alone without a layout). Pass ``vocab_size=`` the real V to
+    the loss: rows past it are inert (no loss, no metrics, zero gradient).
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    unit = _LANES * (1 if layout is None else layout.table_shards)
+    return -(-vocab_size // unit) * unit
+
+
+@dataclasses.dataclass(frozen=True)
+class Specs:
+    """PartitionSpecs of the loss's arrays under a layout.
+
+    Inputs (storage, flattened): hidden [M, D], targets [M, L], weights [M],
+    table [V, D], bias [V]. Outputs: row_loss [M] (reduction='none'), loss
+    (scalar), metrics (each a scalar).
+    """
+
+    hidden: P
+    targets: P
+    weights: P
+    table: P
+    bias: P
+    row_loss: P
+    loss: P
+    metrics: P
+
+
+def default_specs(layout: MeshLayout, options=None) -> Specs:
+    """Specs of DESIGN.md "Sharding": batch over batch_axes, table rows over (vocab, fsdp)."""
+    del options  # every current strategy uses the same layout
+    b = _spec_entry(layout.batch_axes)
+    t = _spec_entry(layout.table_axes)
+    return Specs(hidden=P(b, None), targets=P(b, None), weights=P(b), table=P(t, None), bias=P(t),
+                 row_loss=P(b), loss=P(), metrics=P())
+
+
+def _psum_over(axes):
+    return (lambda x: jax.lax.psum(x, axes)) if axes else (lambda x: x)
+
+
+def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_size: int) -> LossOutput:
+    """The loss of ``strategy`` under ``layout`` (called by `Strategy.__call__`).
+
+    Args:
+      hidden [M, D], table [V, D], bias [V] or None, targets [M, L] global ids,
+      w [M] float32 weights; vocab_size: the real V (≤ V; rows past it inert).
+      Arrays not already laid out are placed by the specs of `default_specs`.
+    Returns:
+      LossOutput with global values: loss scalar (or [M] rows split over the
+      batch axes for reduction='none') and metrics scalars.
+    """
+    if not isinstance(layout, MeshLayout):
+        raise TypeError(f"layout must be a recloss.MeshLayout, got {type(layout).__name__}")
+    layout.check_rows(hidden.shape[0])
+    layout.check_table(table.shape[0])
+    specs = strategy.partition_specs(layout)
+    opts = strategy.options
+    platform = layout.platform
+    v_local = table.shape[0] // layout.vocab_shards
+    vocab_axis, fsdp_axis = layout.vocab_axis, layout.fsdp_axis
+    # Sums over axes of size 1 are skipped: they would still appear as collectives.
+    sum_batch = tuple(a for a in layout.batch_axes if layout.axis_size(a) > 1)
+    sum_vocab = tuple(a for a in (vocab_axis,) if layout.axis_size(a) > 1)
+
+    def local(h, e, t, w_, b=None):
+        if fsdp_axis is not None:
+            e = jax.lax.all_gather(e, fsdp_axis, axis=0, tiled=True)
+            if b is not None:
+                b = jax.lax.all_gather(b, fsdp_axis, axis=0, tiled=True)
+        offset = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * v_local
+        reducer = Reducer(batch=_psum_over(sum_batch), vocab=_psum_over(sum_vocab))
+        return assemble(strategy, h, e, b, t, w_, vocab_offset=offset, vocab_size=vocab_size,
+                        platform=platform, reducer=reducer)
+
+    loss_spec = specs.row_loss if opts.reduction == "none" else specs.loss
+    out_specs = LossOutput(loss_spec, specs.metrics)
+    args = (hidden, table, targets, w) + (() if bias is None else (bias,))
+    in_specs = (specs.hidden, specs.table, specs.targets, specs.weights) + (
+        () if bias is None else (specs.bias,))
+    # check_vma=False: strategies keep plain (untyped) scan carries and Pallas
+    # calls. Gradients stay exact: shard_map then divides an output's
+    # cotangent by the size of the axes its spec leaves out and psums an
+    # input's cotangent over the axes its spec leaves out (hidden: vocab_axis;
+    # table: the data axes), psum transposes to psum and all_gather to psum_scatter.
+    fn = _compat.shard_map(local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=False)
+    return fn(*args)

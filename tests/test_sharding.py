@@ -1,0 +1,350 @@
+"""Sharded loss (recloss.sharding) against the single-device result, plus layout, memory and HLO checks.
+
+Criterion: the sharded loss, metrics and gradients (hidden, table, bias) equal
+the unsharded run (layout=None) on the same inputs: relative error
+‖got − ref‖/‖ref‖ ≤ 1e-5 for the loss and metrics, ≤ 1e-4 for gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import recloss
+from conftest import strategies
+from recloss import sharding
+
+AXES = ("data", "fsdp", "vocab")
+ALL_OPTIONS = dict(label_smoothing=0.1, pos_weight=1.7, focal_gamma=1.5, focal_alpha=0.3,
+                   threshold=0.25, block_v=128, block_n=8)
+MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 1, 2)]
+PALLAS_MESHES = [(1, 1, 8), (2, 2, 2)]
+
+
+def make_layout(shape, names=AXES, **roles):
+    mesh = Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+    return recloss.MeshLayout(mesh, **roles)
+
+
+def rel(got, ref):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_inputs(rng, *, lead=(2, 8), D=16, V=1000, rows=1024, L=4, bias=True):
+    """hidden [*lead, D], table [rows, D] (rows ≥ V: padding), targets with pad ids (−1),
+    repeats and invalid ids (≥ V, including ids that fall in the padding rows), weights with zeros."""
+    m = int(np.prod(lead))
+    t = rng.integers(0, V, size=(m, L))
+    u = rng.random((m, L))
+    t[:, 1:] = np.where(u[:, 1:] < 0.2, t[:, :-1], t[:, 1:])               # repeats
+    t = np.where((u > 0.2) & (u < 0.3), V + rng.integers(0, rows - V + 40, size=(m, L)), t)
+    t = np.where(u > 0.75, -1, t)                                           # padding
+    t[0] = -1                                                               # an all-padding row
+    w = rng.uniform(0.0, 2.0, size=(m,))
+    w[rng.random(m) < 0.2] = 0.0
+    out = dict(
+        hidden=jnp.asarray(rng.normal(size=lead + (D,)), jnp.float32),
+        table=jnp.asarray(rng.normal(size=(rows, D)) * (2.0 / np.sqrt(D)), jnp.float32),
+        targets=jnp.asarray(t.reshape(lead + (L,)), jnp.int32),
+        weights=jnp.asarray(w.reshape(lead), jnp.float32),
+        bias=jnp.asarray(rng.normal(-0.5, 1.0, size=(rows,)), jnp.float32) if bias else None,
+    )
+    return out
+
+
+def loss_and_grads(strategy, inputs, layout, cot=None, **opts):
+    """(loss, metrics, grads of hidden/table/bias) of bce_loss, jitted; for reduction='none'
+    the gradient is of Σ cot·loss."""
+
+    def f(h, e, b):
+        out = recloss.bce_loss(h, e, inputs["targets"], inputs["weights"], b, strategy=strategy,
+                               layout=layout, **opts)
+        scalar = out.loss if cot is None else jnp.sum(out.loss * cot)
+        return scalar, out
+
+    argnums = (0, 1, 2) if inputs["bias"] is not None else (0, 1)
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True))(
+        inputs["hidden"], inputs["table"], inputs["bias"])
+    return out.loss, out.metrics, grads
+
+
+def assert_matches(strategy, inputs, layout, cot=None, **opts):
+    ref_loss, ref_m, ref_g = loss_and_grads(strategy, inputs, None, cot, **opts)
+    loss, mets, grads = loss_and_grads(strategy, inputs, layout, cot, **opts)
+    assert loss.shape == ref_loss.shape
+    assert rel(loss, ref_loss) <= 1e-5, (loss, ref_loss)
+    assert set(mets) == set(ref_m)
+    for k in ref_m:
+        assert rel(mets[k], ref_m[k]) <= 1e-5, (k, mets[k], ref_m[k])
+    for name, g, rg in zip(("hidden", "table", "bias"), grads, ref_g):
+        assert g.shape == rg.shape and g.dtype == rg.dtype
+        assert float(jnp.max(jnp.abs(rg))) > 0, name      # the comparison means something
+        assert rel(g, rg) <= 1e-4, (name, rel(g, rg))
+    return loss, mets, grads
+
+
+def _cases():
+    for name in strategies():
+        meshes = PALLAS_MESHES if "pallas" in name else MESHES
+        for shape in meshes:
+            yield pytest.param(name, shape, id=f"{name}-{'x'.join(map(str, shape))}")
+
+
+# ------------------------------------------------------------------------- numerics
+@pytest.mark.parametrize("strategy,shape", list(_cases()))
+def test_sharded_equals_single_device(strategy, shape, rng):
+    """V=1000 padded to padded_vocab_size rows, all options on, reductions 'mean' and 'none'."""
+    layout = make_layout(shape)
+    rows = recloss.padded_vocab_size(1000, layout)
+    assert rows == 1024
+    inputs = make_inputs(rng, V=1000, rows=rows)
+    opts = dict(ALL_OPTIONS, vocab_size=1000)
+    _, mets, grads = assert_matches(strategy, inputs, layout, reduction="mean", **opts)
+    # Rows past vocab_size are inert: exactly zero gradient.
+    assert float(jnp.max(jnp.abs(grads[1][1000:]))) == 0.0
+    assert float(jnp.max(jnp.abs(grads[2][1000:]))) == 0.0
+    assert float(mets["invalid_targets"]) > 0
+    cot = jnp.asarray(rng.normal(size=inputs["hidden"].shape[:-1]), jnp.float32)
+    loss, _, _ = assert_matches(strategy, inputs, layout, cot=cot, reduction="none", **opts)
+    assert loss.shape == inputs["hidden"].shape[:-1]
+
+
+@pytest.mark.parametrize("strategy", strategies())
+def test_vocab_axis_named_tensor(strategy, rng):
+    """A MaxText-style mesh whose vocab axis is 'tensor'; defaults otherwise, no bias, 'sum'."""
+    layout = make_layout((2, 2, 2), names=("data", "fsdp", "tensor"), vocab_axis="tensor")
+    inputs = make_inputs(rng, V=1024, rows=1024, bias=False)
+    assert_matches(strategy, inputs, layout, reduction="sum", vocab_reduction="sum")
+
+
+def test_layout_without_roles_and_extra_axis(rng):
+    """Roles set to None, and a mesh axis with no role (the loss is replicated over it)."""
+    layout = make_layout((4, 2), names=("data", "stage"), batch_axes=("data",), fsdp_axis=None,
+                         vocab_axis=None)
+    inputs = make_inputs(rng, V=1000, rows=1024)
+    assert_matches("cutbce", inputs, layout, reduction="mean", vocab_size=1000)
+    layout = make_layout((1, 8), names=("data", "model"), batch_axes=("data",), fsdp_axis=None,
+                         vocab_axis="model")
+    assert_matches("cutbce", inputs, layout, reduction="mean", vocab_size=1000, block_v=64)
+
+
+def test_weight_gradient_matches(rng):
+    """The weights enter through Σw (a psum): their gradient must also be exact."""
+    layout = make_layout((2, 2, 2))
+    inputs = make_inputs(rng, V=1024, rows=1024)
+
+    def f(w, lay):
+        return recloss.bce_loss(inputs["hidden"], inputs["table"], inputs["targets"], w, inputs["bias"],
+                                layout=lay, reduction="mean").loss
+
+    ref = jax.grad(f)(inputs["weights"], None)
+    got = jax.jit(jax.grad(f), static_argnums=1)(inputs["weights"], layout)
+    assert rel(got, ref) <= 1e-4
+
+
+def test_presharded_inputs_keep_their_layout(rng):
+    """Inputs placed with the layout's specs go in without resharding; grads come back in storage layout."""
+    layout = make_layout((2, 2, 2))
+    specs = recloss.get_strategy("cutbce").partition_specs(layout)
+    inputs = make_inputs(rng, lead=(16,), V=1024, rows=1024)
+    put = lambda x, s: jax.device_put(x, NamedSharding(layout.mesh, s))
+    h, e, b = put(inputs["hidden"], specs.hidden), put(inputs["table"], specs.table), put(inputs["bias"],
+                                                                                            specs.bias)
+    t, w = put(inputs["targets"], specs.targets), put(inputs["weights"], specs.weights)
+    f = lambda h, e, b: recloss.bce_loss(h, e, t, w, b, layout=layout).loss
+    gh, ge, gb = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(h, e, b)
+    assert ge.sharding.is_equivalent_to(NamedSharding(layout.mesh, specs.table), 2)
+    assert gb.sharding.is_equivalent_to(NamedSharding(layout.mesh, specs.bias), 1)
+    ref = jax.grad(lambda e: recloss.bce_loss(inputs["hidden"], e, inputs["targets"], inputs["weights"],
+                                              inputs["bias"]).loss)(inputs["table"])
+    assert rel(ge, ref) <= 1e-4
+
+
+# ------------------------------------------------------------------------- layout API
+def test_layout_roles_and_sizes():
+    layout = make_layout((2, 2, 2))
+    assert layout.platform == "cpu"
+    assert (layout.batch_shards, layout.fsdp_shards, layout.vocab_shards, layout.table_shards) == (4, 2, 2, 4)
+    assert layout.data_axes == ("data",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.vocab_axis = "data"
+    one = make_layout((8, 1, 1))
+    assert (one.batch_shards, one.vocab_shards, one.table_shards) == (8, 1, 1)
+
+
+@pytest.mark.parametrize("roles,match", [
+    (dict(vocab_axis="tensor"), r"'tensor'.*\('data', 'fsdp', 'vocab'\)"),
+    (dict(batch_axes=("data", "replica")), r"'replica'.*\('data', 'fsdp', 'vocab'\)"),
+    (dict(fsdp_axis="fsdp2"), r"'fsdp2'"),
+    (dict(batch_axes=("data",)), r"fsdp_axis='fsdp' must also be one of batch_axes"),
+    (dict(batch_axes=("data", "fsdp", "vocab")), r"vocab_axis='vocab' cannot also be a batch axis"),
+])
+def test_layout_rejects_bad_roles(roles, match):
+    with pytest.raises(ValueError, match=match):
+        make_layout((2, 2, 2), **roles)
+
+
+def test_bad_shapes_name_the_problem(rng):
+    layout = make_layout((4, 2, 1))
+    inputs = make_inputs(rng, lead=(12,), V=1024, rows=1024)
+    with pytest.raises(ValueError, match=r"M=12 .* 8 batch shards"):
+        recloss.bce_loss(inputs["hidden"], inputs["table"], inputs["targets"], layout=layout)
+    layout = make_layout((1, 2, 4))
+    inputs = make_inputs(rng, lead=(16,), V=996, rows=996)
+    with pytest.raises(ValueError, match=r"996 rows.*8 shards.*padded_vocab_size\(996, layout\)=1024"):
+        recloss.bce_loss(inputs["hidden"], inputs["table"], inputs["targets"], layout=layout)
+
+
+def test_padded_vocab_size():
+    assert recloss.padded_vocab_size(1000) == 1024
+    assert recloss.padded_vocab_size(1024) == 1024
+    assert recloss.padded_vocab_size(1, make_layout((1, 1, 8))) == 1024
+    assert recloss.padded_vocab_size(1025, make_layout((1, 1, 8))) == 2048
+    assert recloss.padded_vocab_size(876_939, make_layout((8, 1, 1))) == 877_056
+    assert recloss.padded_vocab_size(876_939, make_layout((2, 2, 2))) == 877_056  # unit 512
+    assert recloss.padded_vocab_size(876_939, make_layout((1, 8, 1))) == 877_568  # unit 1024
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="vocab_size must be a positive int"):
+            recloss.padded_vocab_size(bad)
+
+
+def test_default_specs():
+    s = sharding.default_specs(make_layout((2, 2, 2)))
+    assert isinstance(s, recloss.Specs)
+    assert s.hidden == P(("data", "fsdp"), None) and s.targets == P(("data", "fsdp"), None)
+    assert s.weights == P(("data", "fsdp")) and s.row_loss == P(("data", "fsdp"))
+    assert s.table == P(("vocab", "fsdp"), None) and s.bias == P(("vocab", "fsdp"))
+    assert s.loss == P() and s.metrics == P()
+    s = make_layout((4, 2), names=("data", "tensor"), batch_axes=("data",), fsdp_axis=None,
+                    vocab_axis="tensor")
+    s = recloss.get_strategy("cutbce").partition_specs(s)
+    assert s.hidden == P("data", None) and s.table == P("tensor", None) and s.bias == P("tensor")
+
+
+# ------------------------------------------------------------------------- memory and HLO
+def _compiled_loss_grad(strategy, layout, *, M, V, D, L=4, **opts):
+    """Compiled jit(value_and_grad) of the loss w.r.t. hidden and table, from shapes only."""
+
+    def f(h, e, t):
+        return recloss.bce_loss(h, e, t, strategy=strategy, layout=layout, **opts).loss
+
+    shapes = ((M, D), (V, D), (M, L))
+    dtypes = (jnp.float32, jnp.float32, jnp.int32)
+    if layout is None:
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+    else:
+        specs = sharding.default_specs(layout)
+        args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(layout.mesh, p))
+                for s, d, p in zip(shapes, dtypes, (specs.hidden, specs.table, specs.targets))]
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(*args).compile()
+
+
+def test_vocab_parallelism_splits_memory():
+    M, V, D = 64, 100_000, 128
+    mem = {}
+    for strat in ("cutbce", "dense_bce"):
+        for name, lay in (("data8", make_layout((8, 1, 1))), ("vocab8", make_layout((1, 1, 8))),
+                          ("single", None)):
+            ma = _compiled_loss_grad(strat, lay, M=M, V=V, D=D).memory_analysis()
+            mem[strat, name] = (ma.argument_size_in_bytes + ma.output_size_in_bytes, ma.temp_size_in_bytes)
+    print({k: v for k, v in mem.items()})
+    # Per device: the vocab-sharded table and its gradient are 1/8 of the replicated ones.
+    assert mem["cutbce", "vocab8"][0] <= mem["cutbce", "data8"][0] / 4
+    # The dense baseline's [M, V] logits are split 8 ways.
+    assert mem["dense_bce", "vocab8"][1] <= mem["dense_bce", "single"][1] / 4
+
+
+def _computations(hlo: str):
+    """{computation name: body text} of an HLO module's text."""
+    comps, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m and not line.startswith(" "):
+            name, lines = m.group(1), []
+            if line.startswith("ENTRY"):
+                comps["__entry__"] = name
+        elif line.startswith("}") and name:
+            comps[name] = "\n".join(lines)
+            name = None
+        elif name:
+            lines.append(line)
+    return comps
+
+
+def _loop_computations(comps):
+    """Names of every computation reachable from a while loop's body or condition."""
+    called = lambda text: set(re.findall(r"(?:body|condition|to_apply|calls|branch_computations)="
+                                         r"\{?%?([\w.\-]+)", text))
+    todo = set()
+    for text in comps.values():
+        if isinstance(text, str):
+            todo |= set(re.findall(r"\bbody=%?([\w.\-]+)", text))
+            todo |= set(re.findall(r"\bcondition=%?([\w.\-]+)", text))
+    seen = set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n not in comps:
+            continue
+        seen.add(n)
+        todo |= called(comps[n])
+    return seen
+
+
+def test_fsdp_hlo_gathers_once_and_reduce_scatters():
+    layout = make_layout((2, 4, 1))
+    V, D = 4096, 128
+    hlo = _compiled_loss_grad("cutbce", layout, M=64, V=V, D=D, block_v=256).as_text()
+    comps = _computations(hlo)
+    loops = _loop_computations(comps)
+    assert any(re.search(r"\bdot\(", comps[n]) for n in loops), "expected the block matmuls in a while loop"
+    gathers = [(n, l) for n, text in comps.items() if n != "__entry__"
+               for l in text.splitlines() if re.search(r"\ball-gather(-start)?\(", l)]
+    table_gathers = [(n, l) for n, l in gathers if f"f32[{V},{D}]" in l]
+    print("all-gathers:", [l.strip()[:120] for _, l in gathers])
+    assert len(table_gathers) == 1, gathers
+    assert not [n for n, _ in gathers if n in loops], "an all-gather sits inside the block loop"
+    scatters = [l for text in comps.values() if isinstance(text, str)
+                for l in text.splitlines() if re.search(r"\breduce-scatter(-start)?\(", l)]
+    print("reduce-scatters:", [l.strip()[:120] for l in scatters])
+    # dE (and nothing bigger) is reduce-scattered over the 4 fsdp shards back to [V/4, D].
+    assert any(f"f32[{V // 4},{D}]" in l for l in scatters), scatters
+
+
+# ------------------------------------------------------------------------- TPU ahead-of-time
+def _v6e8_layout(shape):
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x4", chip_config_name="default",
+                                        chips_per_host_bounds=(2, 2, 1), num_slices=1)
+    mesh = Mesh(np.array(topo.devices).reshape(shape), AXES)
+    return recloss.MeshLayout(mesh)
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cutbce_pallas", "cutbce"])
+@pytest.mark.parametrize("shape", [(8, 1, 1), (1, 8, 1), (2, 1, 4)], ids=["data8", "fsdp8", "data2-vocab4"])
+def test_tpu_v6e8_compiles_at_paper_shapes(strategy, shape):
+    """Global batch 128 × N=256 positions, D=128, V=876,939 padded; loss+grad on a v6e-8 topology."""
+    if strategy not in recloss.available_strategies():
+        pytest.fail(f"strategy {strategy!r} is not registered (available: {recloss.available_strategies()})")
+    layout = _v6e8_layout(shape)
+    assert layout.platform == "tpu"
+    B, N, D, L, V = 128, 256, 128, 8, 876_939
+    rows = recloss.padded_vocab_size(V, layout)
+    compiled = _compiled_loss_grad(strategy, layout, M=B * N, V=rows, D=D, L=L, vocab_size=V)
+    ma = compiled.memory_analysis()
+    total = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+             - ma.alias_size_in_bytes)
+    print(f"{strategy} v6e-8 {shape}: rows={rows} per-chip HBM args={ma.argument_size_in_bytes / 2**20:.1f} "
+          f"MiB out={ma.output_size_in_bytes / 2**20:.1f} MiB temp={ma.temp_size_in_bytes / 2**20:.1f} MiB "
+          f"total={total / 2**20:.1f} MiB")
+    table_bytes = rows * D * 4 // layout.table_shards
+    assert ma.argument_size_in_bytes >= table_bytes
+    assert total < 32 * 2**30       # fits a v6e chip's 32 GiB HBM

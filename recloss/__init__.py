@@ -14,6 +14,7 @@ from recloss.registry import (
     register_strategy,
 )
 from recloss.sharding import MeshLayout, Specs, padded_vocab_size
+import recloss.pallas  # registers cutbce_pallas
 
 __all__ = [
     "LossOptions",

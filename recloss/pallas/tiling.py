@@ -1,0 +1,261 @@
+"""Block sizes and VMEM budgets for the Mosaic-TPU kernel (`recloss.pallas.tpu`).
+
+One kernel call keeps a row tile resident in VMEM and walks vocabulary blocks:
+
+    resident per call:  A [bn, Dp] (input dtype), dA [bn, Dp] f32, and the
+                        per-row vectors r, bg, counts as [bn, 128] f32 lanes
+    per vocab step:     E_j [bv, Dp], b_j [1, bv], dE_j [bv, Dp], db_j [1, bv]
+    temporaries:        ~K logit-shaped [bs, bv] f32 arrays for the inner row
+                        sub-tile loop (x, softplus, sigmoid, value, G, ...)
+
+Every pipelined block is double-buffered (×2). Rows that do not fit become an
+outer loop of row chunks (``num_chunks`` > 1), with dE accumulated across
+chunks in HBM. Sizes follow the (8, 128) tiling rule: bv is a multiple of 128
+(it is the lane dimension of the bias/db blocks), bn a multiple of 8 rows (16
+for 16-bit hidden states, which pack two rows per sublane).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from recloss.options import LossOptions
+
+MiB = 1 << 20
+LANES = 128
+
+# Fraction of a TensorCore's VMEM given to the kernel as its vmem_limit_bytes,
+# and the fraction of that limit our own estimate may fill (Mosaic needs some
+# internal scratch, and our temporaries count is an estimate).
+_LIMIT_FRACTION = 0.75
+_BUDGET_FRACTION = 0.8
+# Share of the budget the [bs, bv] temporaries may take when sizes are automatic.
+_TEMP_SHARE = 1 / 3
+_BV_TARGET = 1024
+_BS_TARGET = 512
+# Logit-shaped f32 temporaries alive at once, per mode (see module docstring).
+_TEMPS = {"fused": 10, "loss": 6, "grad": 9}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """What the tiling needs to know about one TPU chip generation (per TensorCore)."""
+    name: str
+    vmem_bytes: int          # VMEM per TensorCore
+    cores: int               # TensorCores one JAX device drives (split by the kernel)
+    mxu: int                 # MXU edge (128 or 256)
+    core_semantics: str = "parallel"   # grid semantics that spreads the core axis
+
+    @property
+    def vmem_limit_bytes(self) -> int:
+        return int(self.vmem_bytes * _LIMIT_FRACTION)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.vmem_limit_bytes * _BUDGET_FRACTION)
+
+
+# Numbers as in jax's pallas tpu_info tables (VMEM per TensorCore). v4 and v5p
+# run their two TensorCores as one "megacore" device ('parallel' splits it);
+# v7 exposes both cores of a chip to one device without megacore, so the core
+# axis needs 'core_parallel'.
+CHIPS = {
+    "v4": Chip("v4", 16 * MiB, 2, 128),
+    "v5e": Chip("v5e", 128 * MiB, 1, 128),
+    "v5p": Chip("v5p", 64 * MiB, 2, 128),
+    "v6e": Chip("v6e", 128 * MiB, 1, 256),
+    "v7": Chip("v7", 64 * MiB, 2, 256, core_semantics="core_parallel"),
+}
+# Used when the chip cannot be identified (e.g. interpret mode on CPU): the
+# smallest VMEM of the current generations, one core.
+GENERIC = Chip("generic", 64 * MiB, 1, 128)
+
+_DEVICE_KINDS = {
+    "tpu v4": "v4",
+    "tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5litepod": "v5e",
+    "tpu v5": "v5p", "tpu v5p": "v5p",
+    "tpu v6 lite": "v6e", "tpu v6e": "v6e",
+    "tpu7": "v7", "tpu7x": "v7", "tpu v7": "v7", "tpu v7x": "v7",
+}
+
+
+def chip_from_device_kind(device_kind: str, num_cores: Optional[int] = None) -> Chip:
+    """The `Chip` for a device_kind string such as 'TPU v6 lite'; GENERIC if unknown.
+
+    ``num_cores`` (the device's TensorCore count, when known) overrides the
+    table: a two-core chip used in split mode reports 1 and must not be split.
+    """
+    key = _DEVICE_KINDS.get(str(device_kind).strip().lower())
+    chip = CHIPS[key] if key else GENERIC
+    if num_cores is not None and num_cores >= 1 and num_cores != chip.cores:
+        chip = dataclasses.replace(chip, cores=int(num_cores))
+    return chip
+
+
+def get_chip(name: Optional[str] = None) -> Chip:
+    """The chip to tile for.
+
+    ``name`` ('v5e', 'v5p', 'v6e', ...) forces a table entry (tests, AOT).
+    Otherwise: the abstract mesh's device when tracing under ``jax.set_mesh``
+    (TPU topologies for ahead-of-time compilation), else the default device;
+    on a real TPU `pltpu.get_tpu_info()` supplies VMEM and core count.
+    """
+    if name is not None:
+        if name not in CHIPS:
+            raise ValueError(f"unknown TPU chip {name!r}: expected one of {sorted(CHIPS)}")
+        return CHIPS[name]
+    import jax
+    from jax.sharding import get_abstract_mesh
+
+    abstract = getattr(get_abstract_mesh(), "abstract_device", None)
+    if abstract is not None and abstract.platform == "tpu":
+        return chip_from_device_kind(abstract.device_kind, abstract.num_cores)
+    device = jax.devices()[0]
+    if device.platform != "tpu":
+        return GENERIC
+    chip = chip_from_device_kind(device.device_kind, getattr(device, "num_cores", None))
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+        info = pltpu.get_tpu_info()
+    except Exception:  # an unknown device kind: keep the table's numbers
+        return chip
+    return dataclasses.replace(chip, vmem_bytes=int(info.vmem_capacity_bytes),
+                               cores=int(info.num_cores), mxu=int(info.mxu_column_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static block configuration of one kernel sweep.
+
+    bn: rows resident per call (multiple of bs); bs: rows per inner sub-tile;
+    bv: vocabulary block; num_chunks: calls over rows (bn·num_chunks ≥ M);
+    cores: leading 'parallel' grid axis splitting the vocab blocks;
+    d_pad: D rounded up to 128; vmem_bytes: our estimate for these sizes.
+    """
+    bn: int
+    bs: int
+    bv: int
+    num_chunks: int
+    cores: int
+    d_pad: int
+    vmem_bytes: int
+    chip: Chip
+
+    @property
+    def rows(self) -> int:
+        return self.bn * self.num_chunks
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def sublanes(dtype) -> int:
+    """Row multiple of the (8, 128) rule for a hidden-state dtype: 8 for 32-bit, 16 for 16-bit."""
+    import numpy as np
+    return 8 * max(1, 4 // np.dtype(dtype).itemsize)
+
+
+def vmem_estimate(mode: str, bn: int, bs: int, bv: int, d_pad: int, a_bytes: int, e_bytes: int, *,
+                  bias: bool, accumulate: bool) -> int:
+    """VMEM bytes one kernel call needs (per TensorCore), pipelined blocks double-buffered."""
+    grad = mode in ("fused", "grad")
+    loss = mode in ("fused", "loss")
+    row_vectors = (2 if loss else 0) + (1 if grad else 0)          # bg, counts; r
+    per_row = d_pad * (a_bytes + (4 if grad else 0)) + LANES * 4 * row_vectors
+    de_bytes = 4 if grad else 0
+    per_col = d_pad * (e_bytes + de_bytes + (4 if accumulate else 0))
+    per_col += 8 * 4 * ((1 if bias else 0) + (1 if grad and bias else 0))   # [1, bv] pads to 8 sublanes
+    scratch = bv * d_pad * 4 if grad and e_bytes < 4 else 0   # f32 dE accumulator for 16-bit tables
+    return 2 * (bn * per_row + bv * per_col) + scratch + _TEMPS[mode] * bs * bv * 4
+
+
+def _inner_rows(bn: int, sub: int) -> int:
+    """Largest multiple of ``sub`` that divides bn and is ≤ the sub-tile target."""
+    best = sub
+    for k in range(sub, min(bn, _BS_TARGET) + 1, sub):
+        if bn % k == 0:
+            best = k
+    return best
+
+
+def choose(mode: str, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: LossOptions, *,
+           bias: bool, chip: Chip) -> Tiling:
+    """Block sizes for ``mode`` ('fused': loss+grads, 'loss', 'grad') on ``chip``.
+
+    Explicit ``opts.block_n`` / ``opts.block_v`` are used as given (clamped to
+    the problem size) and must obey the tiling rule and fit the VMEM budget:
+    anything else is a ValueError naming the value, the rule and the budget.
+    """
+    import numpy as np
+    if mode not in _TEMPS:
+        raise ValueError(f"mode must be one of {tuple(_TEMPS)}, got {mode!r}")
+    a_bytes, e_bytes = np.dtype(a_dtype).itemsize, np.dtype(e_dtype).itemsize
+    sub = sublanes(a_dtype)
+    d_pad = _round_up(d, LANES)
+    m_pad = _round_up(max(m, 1), sub)
+    v_pad = _round_up(v_local, LANES)
+    budget = chip.budget_bytes
+    where = (f"the VMEM budget of {budget / MiB:.1f} MiB per TensorCore on chip {chip.name!r} "
+             f"({_BUDGET_FRACTION:.0%} of vmem_limit_bytes={chip.vmem_limit_bytes / MiB:.1f} MiB)")
+
+    if opts.block_v is not None and opts.block_v % LANES:
+        raise ValueError(f"LossOptions.block_v={opts.block_v} is invalid for cutbce_pallas: the TPU "
+                         f"(8, 128) tiling rule needs a multiple of {LANES} (it is the lane dimension "
+                         f"of the bias and db blocks); {where}")
+    if opts.block_n is not None and opts.block_n % sub:
+        raise ValueError(f"LossOptions.block_n={opts.block_n} is invalid for cutbce_pallas with "
+                         f"{np.dtype(a_dtype).name} hidden states: the TPU (8, 128) tiling rule needs "
+                         f"a multiple of {sub} rows; {where}")
+
+    def estimate(bn, bs, bv, chunks):
+        return vmem_estimate(mode, bn, bs, bv, d_pad, a_bytes, e_bytes, bias=bias,
+                             accumulate=chunks > 1 and mode != "loss")
+
+    bv = min(opts.block_v or _BV_TARGET, v_pad)
+    if opts.block_n is not None:
+        bn = min(opts.block_n, m_pad)
+        bs = _inner_rows(bn, sub)
+        chunks = math.ceil(m / bn) if m else 1
+        need = estimate(bn, bs, bv, chunks)
+        while need > budget and opts.block_v is None and bv > LANES:
+            bv = _halve(bv)
+            need = estimate(bn, bs, bv, chunks)
+        if need > budget:
+            raise ValueError(
+                f"LossOptions.block_n={opts.block_n}, block_v={opts.block_v} need about "
+                f"{need / MiB:.1f} MiB of VMEM for cutbce_pallas (D={d}, mode {mode!r}), over {where}; "
+                f"choose smaller blocks or leave them None to size them automatically")
+        return Tiling(bn, bs, bv, chunks, _cores(chip, v_local, bv), d_pad, need, chip)
+
+    bs = min(_BS_TARGET, m_pad)
+    temps = lambda bs_, bv_: _TEMPS[mode] * bs_ * bv_ * 4
+    while temps(bs, bv) > budget * _TEMP_SHARE and opts.block_v is None and bv > 2 * LANES:
+        bv = _halve(bv)
+    while temps(bs, bv) > budget * _TEMP_SHARE and bs > 128:
+        bs = max(128, _round_up(bs // 2, sub))
+    if estimate(bs, bs, bv, 2) > budget:
+        raise ValueError(
+            f"cutbce_pallas cannot tile D={d} (block_v={bv}, {bs} rows) within {where}; "
+            f"smallest configuration needs {estimate(bs, bs, bv, 2) / MiB:.1f} MiB")
+    # All rows in one resident tile when they fit (no dE accumulation in HBM).
+    one = _round_up(m_pad, bs)
+    if estimate(one, bs, bv, 1) <= budget:
+        return Tiling(one, bs, bv, 1, _cores(chip, v_local, bv), d_pad, estimate(one, bs, bv, 1), chip)
+    per_row = (estimate(2 * bs, bs, bv, 2) - estimate(bs, bs, bv, 2)) / bs
+    max_bn = bs * max(1, int((budget - estimate(bs, bs, bv, 2)) / per_row / bs) + 1)
+    chunks = math.ceil(m_pad / max_bn)
+    bn = _round_up(math.ceil(m_pad / chunks), bs)
+    return Tiling(bn, bs, bv, chunks, _cores(chip, v_local, bv), d_pad, estimate(bn, bs, bv, chunks), chip)
+
+
+def _halve(bv: int) -> int:
+    """About half of bv, still a multiple of 128 (and at least 128)."""
+    return max(LANES, (bv // 2) // LANES * LANES)
+
+
+def _cores(chip: Chip, v_local: int, bv: int) -> int:
+    """Cores to split the vocab blocks over: the chip's, but never more than blocks."""
+    return max(1, min(chip.cores, math.ceil(v_local / bv)))

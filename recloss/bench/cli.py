@@ -1,0 +1,207 @@
+"""recloss-bench: memory and time of each strategy, side by side, in one process.
+
+Every timed repeat runs all rows back to back (interleaved), so a noisy shared
+machine slows them alike; medians and ratios are what to read. The rate of a
+2048³ float32 matmul is measured in the same rounds as the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Callable, List, Optional
+
+# Shapes follow the paper's mini-benchmark (D=128, L=8), scaled to a CPU.
+DEFAULT_SHAPE = dict(batch=16, seq=256, vocab=100_000, dim=128, labels=8)
+QUICK_SHAPE = dict(batch=4, seq=128, vocab=20_000, dim=64, labels=8)
+
+
+@dataclasses.dataclass
+class Row:
+    """One benchmarked configuration: a strategy and how its loss is reduced."""
+    label: str
+    strategy: str
+    flops_per_logit_dim: int      # nominal matmul flops = this × BN·V·D
+    options: dict
+    fn: Optional[Callable] = None
+    temp_bytes: int = 0
+    compile_s: float = 0.0
+    times: List[float] = dataclasses.field(default_factory=list)
+
+
+def _log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _rows(strategies):
+    rows = []
+    for name in strategies:
+        if name == "cutbce":
+            rows.append(Row("cutbce (fused)", name, 6, {}))
+            rows.append(Row("cutbce (recompute, paper design)", name, 8, {"reduction": "none"}))
+        else:
+            rows.append(Row(name, name, 6, {}))
+    return rows
+
+
+def _build(row: Row, inputs, block_v):
+    import jax
+    import jax.numpy as jnp
+    import recloss
+
+    hidden, table, targets = inputs
+    opts = dict(row.options)
+    if block_v and row.strategy != "dense_bce":
+        opts["block_v"] = block_v
+    per_position = opts.get("reduction") == "none"
+
+    def loss(h, e):
+        out = recloss.bce_loss(h, e, targets, strategy=row.strategy, **opts)
+        # 'none' + mean: the same scalar as 'mean', but through the recompute VJP.
+        return jnp.mean(out.loss) if per_position else out.loss
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    t0 = time.perf_counter()
+    compiled = fn.lower(hidden, table).compile()
+    row.compile_s = time.perf_counter() - t0
+    row.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+    row.fn = compiled
+
+
+def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    b, n, v, d, l = (shape[k] for k in ("batch", "seq", "vocab", "dim", "labels"))
+    rng = np.random.default_rng(seed)
+    hidden = jnp.asarray(rng.normal(size=(b, n, d)).astype(np.float32))
+    table = jnp.asarray((rng.normal(size=(v, d)) / np.sqrt(d)).astype(np.float32))
+    targets = jnp.asarray(rng.integers(0, v, size=(b, n, l)).astype(np.int32))
+    mat = jnp.asarray(rng.normal(size=(2048, 2048)).astype(np.float32))
+    matmul = jax.jit(lambda x, y: x @ y).lower(mat, mat).compile()
+
+    rows = _rows(strategies)
+    for row in rows:
+        _log(f"[bench] compiling {row.label} at B={b} N={n} V={v} D={d} L={l} ...")
+        _build(row, (hidden, table, targets), block_v)
+        _log(f"[bench]   compiled in {row.compile_s:.1f}s, temp {row.temp_bytes / 2**20:.1f} MiB")
+        jax.block_until_ready(row.fn(hidden, table))          # warm-up
+    jax.block_until_ready(matmul(mat, mat))
+    mm_times = []
+    start = time.perf_counter()
+    for rep in range(repeats):
+        for row in rows:
+            t0 = time.perf_counter()
+            jax.block_until_ready(row.fn(hidden, table))
+            row.times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        jax.block_until_ready(matmul(mat, mat))
+        mm_times.append(time.perf_counter() - t0)
+        done = rep + 1
+        eta = (time.perf_counter() - start) / done * (repeats - done)
+        _log(f"[bench] round {done}/{repeats}  " + "  ".join(
+            f"{r.strategy}{'*' if r.options else ''}={r.times[-1]:.2f}s" for r in rows) + f"  eta {eta:.0f}s")
+    matmul_rate = 2 * 2048 ** 3 / float(np.median(mm_times))
+    bn = b * n
+    base = next((r for r in rows if r.strategy == "dense_bce"), None)
+    results = []
+    for row in rows:
+        med = float(np.median(row.times))
+        flops = row.flops_per_logit_dim * bn * v * d
+        results.append(dict(
+            strategy=row.label, batch=b, seq=n, vocab=v, dim=d, labels=l,
+            temp_mib=row.temp_bytes / 2**20, median_s=med, min_s=float(np.min(row.times)),
+            repeats=len(row.times), compile_s=row.compile_s, nominal_gflop=flops / 1e9,
+            gflops_per_s=flops / med / 1e9, matmul_fraction=flops / med / matmul_rate,
+            time_vs_dense=(med / float(np.median(base.times))) if base else None,
+            temp_vs_dense=(row.temp_bytes / base.temp_bytes) if base and base.temp_bytes else None,
+        ))
+    return results, dict(matmul_gflops_per_s=matmul_rate / 1e9, matmul_shape="2048x2048x2048 f32",
+                         devices=str(jax.devices()[0].device_kind), cpu_count=os.cpu_count(),
+                         jax_version=jax.__version__)
+
+
+def format_cpu(results, info) -> str:
+    lines = [
+        f"loss+grad, float32, median of {results[0]['repeats']} interleaved runs; "
+        f"matmul ceiling {info['matmul_gflops_per_s']:.1f} GFLOP/s ({info['matmul_shape']}, same rounds)",
+        "",
+        "| strategy | B×N | V | D | temp MiB | temp vs dense | median s | time vs dense | GFLOP/s (nominal) | of matmul |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        tvd = f"{r['temp_vs_dense']:.4f}" if r["temp_vs_dense"] is not None else "-"
+        svd = f"{r['time_vs_dense']:.3f}" if r["time_vs_dense"] is not None else "-"
+        lines.append(
+            f"| {r['strategy']} | {r['batch']}×{r['seq']} | {r['vocab']:,} | {r['dim']} | {r['temp_mib']:.1f} | "
+            f"{tvd} | {r['median_s']:.3f} | {svd} | {r['gflops_per_s']:.1f} | {100 * r['matmul_fraction']:.0f}% |")
+    fused = next((r for r in results if r["strategy"] == "cutbce (fused)"), None)
+    recompute = next((r for r in results if r["strategy"].startswith("cutbce (recompute")), None)
+    if fused and recompute:
+        lines.append("")
+        lines.append(f"fused / recompute time: {fused['median_s'] / recompute['median_s']:.3f} "
+                     f"(flop ratio 6/8 = 0.750)")
+    lines.append("Nominal flops: 6·BN·V·D for one fused pass or dense autodiff, 8·BN·V·D for forward + "
+                 "recompute. Per logit the pass also evaluates exp, log1p and one divide.")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="recloss-bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategies", default="dense_bce,cutbce",
+                        help="comma-separated strategy names (CPU timing; Pallas needs --topology)")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--vocab", type=int, default=None)
+    parser.add_argument("--dim", type=int, default=None)
+    parser.add_argument("--labels", type=int, default=None)
+    parser.add_argument("--block-v", type=int, default=None, help="vocab block size (default: chosen)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per strategy (>= 5 recommended)")
+    parser.add_argument("--quick", action="store_true", help="a small shape that runs in seconds")
+    parser.add_argument("--topology", default=None,
+                        help="compile for a TPU topology (v5e-8, v6e-8, v5p-8) instead of timing here; "
+                             "prints per-chip HBM and cost-analysis flops")
+    parser.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    args = parser.parse_args(argv)
+
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    strategies = [s for s in args.strategies.split(",") if s]
+    import recloss
+    for s in strategies:
+        recloss.get_strategy(s)  # unknown names fail here, with suggestions
+    shape = dict(QUICK_SHAPE if args.quick else DEFAULT_SHAPE)
+    for k in shape:
+        if getattr(args, k) is not None:
+            if getattr(args, k) <= 0:
+                parser.error(f"--{k} must be a positive int, got {getattr(args, k)}")
+            shape[k] = getattr(args, k)
+
+    if args.topology:
+        from recloss.bench import topology
+        strategies = [s for s in args.strategies.split(",") if s] if args.strategies != "dense_bce,cutbce" \
+            else ["dense_bce", "cutbce", "cutbce_pallas"]
+        rows = topology.topology_rows(args.topology, strategies, None)
+        print(topology.format_rows(args.topology, rows))
+        payload = dict(topology=args.topology, rows=rows)
+    else:
+        t0 = time.perf_counter()
+        results, info = run_cpu(shape, strategies, args.repeats, args.block_v)
+        print(format_cpu(results, info))
+        print(f"\n(total {time.perf_counter() - t0:.0f}s on {info['cpu_count']} CPU cores, jax {info['jax_version']})")
+        payload = dict(info=info, rows=results)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(payload, fh, indent=2)
+        _log(f"[bench] wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

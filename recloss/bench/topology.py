@@ -1,0 +1,151 @@
+"""Per-chip HBM and flops of loss+grad, compiled ahead of time for a TPU topology (no TPU needed).
+
+libtpu (``jax[tpu]``) compiles for a named topology on any machine; each
+strategy's ``jit(value_and_grad(loss))`` is compiled for ONE chip of it and
+read back through ``compiled.memory_analysis()`` / ``cost_analysis()``.
+
+    rows = topology_rows("v6e-8", ["dense_bce", "cutbce", "cutbce_pallas"], PAPER_SHAPES)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Iterable, NamedTuple, Optional, Sequence
+
+# Other processes (test workers, a second benchmark) may hold libtpu's lockfile;
+# compiling for a topology needs no exclusive access to a TPU.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# Cloud TPU slice names → (libtpu topology, chips per host). Cloud counts v5p
+# (and v4) slices in TensorCores, so v5p-8 is 4 chips of two cores each.
+TOPOLOGIES = {
+    "v5e-8": ("v5e:2x4", (2, 2, 1)),
+    "v6e-8": ("v6e:2x4", (2, 2, 1)),
+    "v5p-8": ("v5p:2x2x1", (2, 2, 1)),
+    "v4-8": ("v4:2x2x1", (2, 2, 1)),
+}
+
+
+class Shape(NamedTuple):
+    """One loss problem per chip: hidden [B, N, D], table [V, D], targets [B, N, L]."""
+    B: int
+    N: int
+    D: int
+    V: int
+    L: int = 8
+    dtype: str = "float32"
+
+
+# The paper's Table II (single chip, D=128, L=8) and Table III's loss (B=8 per chip of a v6e-8 at
+# global batch 64, N=256, D=256, V=876,939).
+TABLE_II = tuple(Shape(b, n, 128, v) for v in (100_000, 200_000, 876_939) for b in (32, 128) for n in (32, 128))
+TABLE_III = (Shape(8, 256, 256, 876_939),)
+PAPER_SHAPES = TABLE_II + TABLE_III
+
+
+@functools.lru_cache(maxsize=None)
+def chip_devices(topology: str):
+    """The devices of a TPU topology ('v6e-8', 'v5e-8', 'v5p-8', 'v4-8', or a libtpu name such as 'v6e:2x4')."""
+    from jax.experimental import topologies
+
+    name, per_host = TOPOLOGIES.get(topology, (topology, (2, 2, 1)))
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
+                                            chips_per_host_bounds=per_host, num_slices=1)
+    except Exception as err:
+        raise ValueError(f"cannot describe TPU topology {topology!r} (libtpu name {name!r}); known names: "
+                         f"{sorted(TOPOLOGIES)}; is libtpu (jax[tpu]) installed? ({err})") from err
+    return tuple(topo.devices)
+
+
+def one_chip_mesh(topology: str):
+    """A one-device Mesh on the first chip of ``topology`` (axis 'chip')."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(chip_devices(topology)[:1]), ("chip",))
+
+
+def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: bool = False,
+                      **options):
+    """``jit(value_and_grad(loss, (hidden, table[, bias])))`` compiled for one chip of ``topology``.
+
+    Kernels are compiled for real (``interpret=False``). Raises whatever the
+    compiler raises (an HBM out-of-memory is a RESOURCE_EXHAUSTED error).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import recloss
+
+    mesh = one_chip_mesh(topology)
+    rep = NamedSharding(mesh, PartitionSpec())
+    dt = jnp.dtype(shape.dtype)
+    args = [jax.ShapeDtypeStruct((shape.B, shape.N, shape.D), dt, sharding=rep),
+            jax.ShapeDtypeStruct((shape.V, shape.D), dt, sharding=rep),
+            jax.ShapeDtypeStruct((shape.B, shape.N, shape.L), jnp.int32, sharding=rep)]
+    if with_bias:
+        args.append(jax.ShapeDtypeStruct((shape.V,), dt, sharding=rep))
+    options.setdefault("interpret", False)      # Pallas strategies: compile the kernel for the TPU
+
+    def loss(h, e, t, *maybe_bias):
+        bias = maybe_bias[0] if maybe_bias else None
+        return recloss.bce_loss(h, e, t, None, bias, strategy=strategy, **options).loss
+
+    argnums = (0, 1, 3) if with_bias else (0, 1)
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(*args).compile()
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether a compile error is the compiler running out of HBM."""
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def _flops(compiled) -> Optional[float]:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return None if not cost or "flops" not in cost else float(cost["flops"])
+
+
+def topology_rows(topology: str, strategies: Iterable[str] = ("dense_bce", "cutbce", "cutbce_pallas"),
+                  shapes: Optional[Sequence[Shape]] = None) -> list:
+    """Compiles loss+grad per strategy and shape for one chip of ``topology``.
+
+    Args:
+      topology: 'v6e-8', 'v5e-8', 'v5p-8', 'v4-8' (or a libtpu name like 'v6e:2x4').
+      strategies: registered strategy names.
+      shapes: `Shape`s (or (B, N, D, V[, L[, dtype]]) tuples); default `PAPER_SHAPES`.
+    Returns:
+      one dict per (shape, strategy): topology, strategy, B, N, D, V, L, dtype,
+      hbm_bytes (argument + output + temp, per chip), temp_bytes, flops (XLA's
+      cost analysis; Pallas kernels report their CostEstimate), ideal_flops
+      (6·B·N·V·D, the fused loss+grad), compile_s. When compilation fails the
+      three measured cells hold 'OOM' (out of HBM) or 'error: <message>'.
+    """
+    shapes = PAPER_SHAPES if shapes is None else tuple(Shape(*s) for s in shapes)
+    chip_devices(topology)          # fail early, with the topology's name, if it is unknown
+    rows = []
+    for shape in shapes:
+        for strategy in strategies:
+            row = dict(topology=topology, strategy=strategy, **shape._asdict(),
+                       ideal_flops=6 * shape.B * shape.N * shape.V * shape.D)
+            start = time.perf_counter()
+            try:
+                compiled = compile_loss_grad(strategy, topology, shape)
+            except Exception as err:   # a failed cell, not a failed table
+                cell = "OOM" if is_oom(err) else f"error: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                row.update(hbm_bytes=cell, temp_bytes=cell, flops=cell)
+            else:
+                ma = compiled.memory_analysis()
+                row.update(hbm_bytes=int(ma.argument_size_in_bytes + ma.output_size_in_bytes
+                                         + ma.temp_size_in_bytes),
+                           temp_bytes=int(ma.temp_size_in_bytes), flops=_flops(compiled))
+            row["compile_s"] = round(time.perf_counter() - start, 1)
+            rows.append(row)
+    return rows

@@ -1,0 +1,148 @@
+"""cutbce_pallas compiled ahead of time for TPU topologies (libtpu, no TPU attached).
+
+One chip of v5e-8, v6e-8 and v5p-8 at the paper's per-chip shape: hidden
+[16, 256, 128], table [876939, 128], targets [16, 256, 8]. The Mosaic kernel
+must compile, keep the per-chip temporaries under 0.25 GiB, and report the
+fused 6·B·N·V·D flops; the dense baseline must need > 20 GiB or run out of HBM.
+Run with ``pytest -s`` to see the numbers.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # other test processes may hold libtpu
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import recloss  # noqa: E402
+from recloss.bench import topology  # noqa: E402
+from recloss.pallas import tiling  # noqa: E402
+
+pytestmark = [
+    pytest.mark.tpu_aot,
+    pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                       reason="libtpu is not importable (pip install 'jax[tpu]'): no TPU AOT compiler"),
+]
+
+GiB = 2 ** 30
+PAPER = topology.Shape(16, 256, 128, 876_939)
+CHIP_OF = {"v5e-8": "v5e", "v6e-8": "v6e", "v5p-8": "v5p"}
+
+
+def _report(label, compiled, shape):
+    ma = compiled.memory_analysis()
+    flops = topology._flops(compiled)
+    ideal = 6 * shape.B * shape.N * shape.V * shape.D
+    print(f"\n{label}: args {ma.argument_size_in_bytes / GiB:.3f} GiB, out {ma.output_size_in_bytes / GiB:.3f} "
+          f"GiB, temp {ma.temp_size_in_bytes / 2**20:.1f} MiB; flops {flops:.4g} = {flops / ideal:.4f} × 6·BN·V·D")
+    return ma, flops, ideal
+
+
+def _kernel_names(compiled):
+    """Names of the Mosaic custom calls in the compiled HLO (non-empty: the kernel really compiled)."""
+    text = compiled.as_text()
+    return [line for line in text.splitlines() if "tpu_custom_call" in line]
+
+
+def _tiling_under(topo, mode, shape, **opts):
+    with jax.set_mesh(topology.one_chip_mesh(topo)):
+        chip = tiling.get_chip()
+    return chip, tiling.choose(mode, shape.B * shape.N, shape.V, shape.D, jnp.dtype(shape.dtype),
+                               jnp.dtype(shape.dtype), recloss.LossOptions(**opts), bias=False, chip=chip)
+
+
+@pytest.mark.parametrize("topo", ["v5e-8", "v6e-8", "v5p-8"])
+def test_pallas_paper_shape_fits_one_chip(topo):
+    chip, t = _tiling_under(topo, "fused", PAPER)
+    assert chip.name == CHIP_OF[topo]
+    print(f"\n{topo}: chip {chip.name}, {chip.cores} core(s), VMEM limit {chip.vmem_limit_bytes >> 20} MiB; "
+          f"fused tiles bn={t.bn} bs={t.bs} bv={t.bv} chunks={t.num_chunks} cores={t.cores} "
+          f"(~{t.vmem_bytes / 2**20:.1f} MiB)")
+    assert t.num_chunks == 1 and t.cores == (2 if topo == "v5p-8" else 1)
+    compiled = topology.compile_loss_grad("cutbce_pallas", topo, PAPER)
+    ma, flops, ideal = _report(f"cutbce_pallas {topo} f32 {tuple(PAPER[:4])}", compiled, PAPER)
+    assert _kernel_names(compiled), "no Mosaic kernel in the compiled program"
+    assert ma.temp_size_in_bytes <= 0.25 * GiB
+    # One fused sweep: the kernel's 6·M·V·D plus the O(M·L·D) correction; no second pass.
+    assert ideal <= flops <= 1.01 * ideal
+
+
+@pytest.mark.parametrize("topo", ["v5e-8", "v6e-8", "v5p-8"])
+def test_dense_bce_needs_the_logits(topo):
+    try:
+        compiled = topology.compile_loss_grad("dense_bce", topo, PAPER)
+    except Exception as err:
+        print(f"\ndense_bce {topo}: {str(err).splitlines()[0][:200]}")
+        assert topology.is_oom(err) and "HBM" in str(err), err
+        return
+    ma, _, _ = _report(f"dense_bce {topo}", compiled, PAPER)
+    assert ma.temp_size_in_bytes > 20 * GiB
+
+
+def test_small_odd_shape_with_bias_and_all_options():
+    # V below one block (a partial block larger than the array), D=37 padded to 128,
+    # rows past vocab_size inert, focal terms, and the reduction='none' kernels.
+    shape = topology.Shape(1, 13, 37, 50, L=3)
+    opts = dict(label_smoothing=0.1, pos_weight=2.0, focal_gamma=2.0, focal_alpha=0.25, vocab_size=45)
+    compiled = topology.compile_loss_grad("cutbce_pallas", "v6e-8", shape, with_bias=True, **opts)
+    assert len(_kernel_names(compiled)) == 1
+    compiled = topology.compile_loss_grad("cutbce_pallas", "v5e-8", shape, with_bias=True,
+                                          reduction="sum", compute_metrics=False, **opts)
+    assert len(_kernel_names(compiled)) == 1
+
+
+def test_reduction_none_compiles_loss_and_grad_kernels():
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = topology.one_chip_mesh("v5p-8")
+    rep = NamedSharding(mesh, PartitionSpec())
+    B, N, D, V = 4, 128, 128, 100_000
+
+    def f(h, e, t, ct):
+        return jnp.sum(ct * recloss.bce_loss(h, e, t, strategy="cutbce_pallas", reduction="none",
+                                             interpret=False).loss)
+
+    args = [jax.ShapeDtypeStruct(s, d, sharding=rep) for s, d in
+            (((B, N, D), jnp.float32), ((V, D), jnp.float32), ((B, N, 8), jnp.int32), ((B, N), jnp.float32))]
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(*args).compile()
+    ma, flops, ideal = _report("cutbce_pallas v5p-8 reduction='none'", compiled,
+                               topology.Shape(B, N, D, V))
+    assert len(_kernel_names(compiled)) == 2          # loss-only forward, gradient recompute
+    assert ma.temp_size_in_bytes <= 0.25 * GiB
+    # Forward 2·M·V·D + recompute 4·M·V·D.
+    assert np.isclose(flops, ideal, rtol=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,label,chunked", [
+    (PAPER._replace(dtype="bfloat16"), "bf16", False),
+    (topology.Shape(16, 256, 256, 876_939), "D=256", False),
+    (topology.Shape(64, 256, 128, 876_939), "16384 rows: row-chunk loop", True),
+], ids=["bf16", "d256", "row_chunks"])
+def test_pallas_other_shapes_v6e(shape, label, chunked):
+    chip, t = _tiling_under("v6e-8", "fused", shape)
+    print(f"\nv6e {label}: bn={t.bn} bs={t.bs} bv={t.bv} chunks={t.num_chunks}")
+    assert (t.num_chunks > 1) == chunked
+    compiled = topology.compile_loss_grad("cutbce_pallas", "v6e-8", shape)
+    ma, flops, ideal = _report(f"cutbce_pallas v6e-8 {label}", compiled, shape)
+    assert len(_kernel_names(compiled)) == t.num_chunks
+    assert ma.temp_size_in_bytes <= 0.25 * GiB
+    assert ideal <= flops <= 1.01 * ideal
+
+
+def test_topology_rows_cells():
+    rows = topology.topology_rows("v6e-8", ["dense_bce", "cutbce_pallas"],
+                                  [topology.Shape(32, 128, 128, 876_939)])
+    by = {r["strategy"]: r for r in rows}
+    print("\n" + "\n".join(str(r) for r in rows))
+    assert by["dense_bce"]["hbm_bytes"] == "OOM"      # [4096, 876939] logits and friends exceed 32 GiB
+    pallas = by["cutbce_pallas"]
+    assert isinstance(pallas["hbm_bytes"], int) and pallas["temp_bytes"] < 0.25 * GiB
+    assert pallas["ideal_flops"] <= pallas["flops"] <= 1.01 * pallas["ideal_flops"]
+    with pytest.raises(ValueError, match="cannot describe TPU topology 'v9-8'"):
+        topology.topology_rows("v9-8", ["cutbce"], [])

@@ -13,13 +13,14 @@ global id is ``vocab_offset = axis_index(vocab_axis)·V/|vocab|``. The strategy
 computes that shard's loss part; partial losses, weight sums and metrics are
 psum'ed over the batch axes and the vocab axis.
 
-Gradients come from autodiff of the collectives under shard_map's
-varying-manual-axes typing: before the strategy runs, hidden is cast to
-varying over ``vocab_axis`` and the table over the data axes (batch axes other
-than ``fsdp_axis``); those casts transpose to psums, and the all-gather
-transposes to a reduce-scatter. So
+Gradients come from autodiff of the collectives and of shard_map itself
+(run with check_vma=False, see `run`): the cotangent of an input is psum'ed
+over the mesh axes its spec leaves out, and the all-gather transposes to a
+reduce-scatter. So
 
-    dA = psum_vocab(dA_local),   dE = psum_scatter_fsdp(psum_data(dE_local)).
+    dA = psum_vocab(dA_local),   dE = psum_data(psum_scatter_fsdp(dE_local)),
+
+with the data-axis sum taken on the already scattered [V/(|vocab|·|fsdp|), D] slice.
 """
 
 from __future__ import annotations
@@ -246,11 +247,12 @@ def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_
     args = (hidden, table, targets, w) + (() if bias is None else (bias,))
     in_specs = (specs.hidden, specs.table, specs.targets, specs.weights) + (
         () if bias is None else (specs.bias,))
-    # check_vma=False: strategies keep plain (untyped) scan carries and Pallas
-    # calls. Gradients stay exact: shard_map then divides an output's
-    # cotangent by the size of the axes its spec leaves out and psums an
-    # input's cotangent over the axes its spec leaves out (hidden: vocab_axis;
-    # table: the data axes), psum transposes to psum and all_gather to psum_scatter.
+    # check_vma=False: strategies keep untyped scan carries (cut.py's zeros
+    # init) and pallas_call out_shapes, which check_vma=True rejects. Gradients
+    # stay exact: shard_map divides an output's cotangent by the size of the
+    # axes its spec leaves out and psums an input's cotangent over the axes
+    # its spec leaves out (hidden: vocab_axis; table and bias: the data axes);
+    # psum transposes to psum, all_gather to psum_scatter.
     fn = _compat.shard_map(local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
                            check_vma=False)
     return fn(*args)

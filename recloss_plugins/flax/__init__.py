@@ -1,0 +1,22 @@
+"""recloss for existing Flax trainers: output heads (NNX and linen) and a config-driven loss function.
+
+    from recloss_plugins.flax import MultiLabelHead        # Flax NNX
+    from recloss_plugins.flax.linen import MultiLabelHead  # Flax linen
+    from recloss_plugins.flax import make_loss_fn          # fn(hidden, table, targets, weights) -> (loss, metrics)
+"""
+
+from recloss_plugins.flax import linen, nnx
+from recloss_plugins.flax.loss_fn import config_to_dict, make_loss_fn, resolve_config
+from recloss_plugins.flax.nnx import MultiLabelHead
+
+LinenMultiLabelHead = linen.MultiLabelHead
+
+__all__ = [
+    "LinenMultiLabelHead",
+    "MultiLabelHead",
+    "config_to_dict",
+    "linen",
+    "make_loss_fn",
+    "nnx",
+    "resolve_config",
+]

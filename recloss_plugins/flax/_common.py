@@ -1,0 +1,74 @@
+"""Pieces shared by the NNX and linen heads: strategy construction, table unwrapping, dense scores."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+
+import recloss
+
+
+def build_strategy(strategy: Any, options: Any, option_kwargs: Mapping[str, Any]) -> recloss.Strategy:
+    """The `recloss.Strategy` for a head.
+
+    ``strategy``: a registered name (str) or a ready `recloss.Strategy`;
+    ``options``: a `recloss.LossOptions`, a mapping of LossOptions fields, or
+    None; ``option_kwargs``: LossOptions fields overriding ``options``.
+    """
+    if isinstance(strategy, recloss.Strategy):
+        if options is not None or option_kwargs:
+            raise ValueError(f"strategy is already a recloss.Strategy ({strategy!r}); pass options only "
+                             "together with a strategy name")
+        return strategy
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy must be a strategy name (one of {recloss.available_strategies()}) or a "
+                        f"recloss.Strategy, got {type(strategy).__name__}")
+    kwargs = dict(option_kwargs)
+    if isinstance(options, Mapping):
+        kwargs = {**dict(options), **kwargs}
+        options = None
+    elif options is not None and not isinstance(options, recloss.LossOptions):
+        raise TypeError(f"options must be a recloss.LossOptions, a mapping of its fields or None, got "
+                        f"{type(options).__name__}")
+    return recloss.get_strategy(strategy, options, **kwargs)
+
+
+def unwrap(x):
+    """The array inside an nnx.Variable / linen boxed param (``.unbox()``), else ``x``."""
+    get_value = getattr(x, "get_value", None)
+    if callable(get_value) and not isinstance(x, jax.Array):
+        return get_value()
+    if hasattr(x, "unbox") and callable(x.unbox):
+        return x.unbox()
+    return x
+
+
+def check_table(table, features: int, num_items: Optional[int]):
+    """Raises unless ``table`` is [num_items, features] (any rows when num_items is None)."""
+    shape = tuple(getattr(table, "shape", ()))
+    if len(shape) != 2 or shape[1] != features:
+        raise ValueError(f"the item table must have shape [V, {features}] (features={features}), got "
+                         f"shape {shape}")
+    if num_items is not None and shape[0] != num_items:
+        raise ValueError(f"the item table has {shape[0]} rows but the head was built with "
+                         f"num_items={num_items}")
+
+
+def cast(x, dtype):
+    return x if x is None or dtype is None else x.astype(dtype)
+
+
+def dense_scores(hidden, table, bias, options: recloss.LossOptions):
+    """Logits ``hidden · tableᵀ + bias`` over the real catalogue: [..., V] float32.
+
+    Builds the full [..., V] array: for inference over small catalogues only.
+    Rows past ``options.vocab_size`` (padding) are dropped.
+    """
+    scores = jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
+    if bias is not None:
+        scores = scores + bias.astype(jnp.float32)
+    if options.vocab_size is not None:
+        scores = scores[..., :options.vocab_size]
+    return scores

@@ -1,0 +1,159 @@
+"""A loss function built from a trainer's config: ``make_loss_fn(config)(hidden, table, targets, weights)``.
+
+    loss_fn = make_loss_fn({"loss": "cutbce", "label_smoothing": 0.1, "loss_block_v": 2048})
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        hidden, table, targets, weights)
+    table_sharding = NamedSharding(mesh, loss_fn.partition_specs(layout).table)
+
+Config keys (a dict, an ``ml_collections.ConfigDict`` or anything with
+``to_dict()``):
+
+* ``loss``: the strategy name, one of `recloss.available_strategies()`
+  (default ``"cutbce"``).
+* every `recloss.LossOptions` field under its own name (``block_v``,
+  ``threshold``, ``label_smoothing``, ...) or with a ``loss_`` prefix
+  (``loss_block_v``, ``loss_threshold``, ...), as MaxText-style trainer
+  configs spell them. ``0`` for ``block_v``, ``block_n`` and ``vocab_size``
+  means "not set" (None), the trainer configs' convention.
+
+Any other key is an error unless ``strict=False`` (then keys outside the
+loss's are ignored, so a whole trainer config can be passed; a key that starts
+with ``loss_`` but names no option is still an error, as it is a typo).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import recloss
+
+STRATEGY_KEY = "loss"
+DEFAULT_STRATEGY = "cutbce"
+PREFIX = "loss_"
+# Option fields where the trainer configs write 0 for "chosen automatically / not set".
+_ZERO_IS_NONE = ("block_v", "block_n", "vocab_size")
+
+
+def config_to_dict(config) -> Dict[str, Any]:
+    """A plain dict of ``config``'s top-level keys (dict, Mapping, ConfigDict or ``to_dict()``/``get_keys()``)."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    for method in ("to_dict", "get_keys"):
+        fn = getattr(config, method, None)
+        if callable(fn):
+            out = fn()
+            if isinstance(out, Mapping):
+                return dict(out)
+    raise TypeError(f"config must be a dict, a Mapping or an ml_collections.ConfigDict, got "
+                    f"{type(config).__name__}")
+
+
+def _option_field(key: str) -> Optional[str]:
+    """The LossOptions field ``key`` names (directly or ``loss_``-prefixed), else None."""
+    fields = recloss.LossOptions.field_names()
+    if key in fields:
+        return key
+    if key.startswith(PREFIX) and key[len(PREFIX):] in fields:
+        return key[len(PREFIX):]
+    return None
+
+
+def _known_keys() -> Tuple[str, ...]:
+    fields = recloss.LossOptions.field_names()
+    return (STRATEGY_KEY,) + fields + tuple(PREFIX + f for f in fields)
+
+
+def _unknown_key_error(key: str) -> ValueError:
+    close = difflib.get_close_matches(key, _known_keys(), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"unknown loss config key {key!r}{hint}; valid keys are {STRATEGY_KEY!r}, the "
+                      f"recloss.LossOptions fields {recloss.LossOptions.field_names()} and the same "
+                      f"fields prefixed with {PREFIX!r}")
+
+
+def resolve_config(config, *, strict: bool = True) -> Tuple[str, recloss.LossOptions]:
+    """(strategy name, LossOptions) that ``config`` asks for; see the module docstring for keys.
+
+    Raises ValueError naming the key for an unknown key (with a suggestion), a
+    key given twice under both spellings with different values, an unknown
+    strategy, or an option value LossOptions rejects.
+    """
+    items = config_to_dict(config)
+    name = items.pop(STRATEGY_KEY, DEFAULT_STRATEGY)
+    if not isinstance(name, str):
+        raise ValueError(f"config key {STRATEGY_KEY!r} must be a strategy name (str), got {name!r}; "
+                         f"available: {recloss.available_strategies()}")
+    if name not in recloss.available_strategies():
+        close = difflib.get_close_matches(name, recloss.available_strategies(), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"config key {STRATEGY_KEY!r}={name!r} is not a recloss strategy: available are "
+                         f"{recloss.available_strategies()}{hint}")
+    kwargs: Dict[str, Any] = {}
+    source: Dict[str, str] = {}
+    for key, value in items.items():
+        field = _option_field(key) if isinstance(key, str) else None
+        if field is None:
+            if strict or (isinstance(key, str) and key.startswith(PREFIX)):
+                raise _unknown_key_error(str(key))
+            continue
+        if field in _ZERO_IS_NONE and value == 0 and not isinstance(value, bool):
+            value = None
+        if field in kwargs and kwargs[field] != value:
+            raise ValueError(f"config keys {source[field]!r}={kwargs[field]!r} and {key!r}={value!r} set "
+                             f"the same loss option {field!r} to different values; keep one")
+        kwargs[field] = value
+        source[field] = key
+    try:
+        options = recloss.LossOptions(**kwargs)
+    except ValueError as err:
+        raise ValueError(f"bad loss option in config: {err}") from err
+    return name, options
+
+
+def make_loss_fn(config, *, layout: Optional[recloss.MeshLayout] = None, strict: bool = True):
+    """``fn(hidden, table, targets, weights=None, bias=None) -> (loss, metrics)`` for ``config``.
+
+    The function is `recloss.bce_loss` with the configured strategy and
+    options: hidden [..., D], table [V, D], targets [..., L] int ids, weights
+    [...] (None = 1), bias [V] or None; loss is Σ w·ℓ / Σ w for the default
+    reduction='mean' (see `recloss.bce_loss` for ℓ). It is pure, so it can be
+    jitted and differentiated (``jax.value_and_grad(fn, has_aux=True)``).
+
+    Attributes of the returned function: ``strategy`` (the `recloss.Strategy`),
+    ``options`` (its LossOptions), ``layout``, and ``partition_specs(layout)``
+    (a `recloss.Specs`: where to place hidden/targets/weights/table/bias under
+    a mesh layout; ``layout`` defaults to the one given here).
+
+    Args:
+      config: dict / ConfigDict with ``loss`` and option keys (module docstring).
+      layout: a `recloss.MeshLayout` to run the loss sharded under shard_map.
+      strict: reject keys that are not loss keys (False: ignore them).
+    """
+    if layout is not None and not isinstance(layout, recloss.MeshLayout):
+        raise TypeError(f"layout must be a recloss.MeshLayout or None, got {type(layout).__name__}")
+    name, options = resolve_config(config, strict=strict)
+    strategy = recloss.get_strategy(name, options)
+
+    def loss_fn(hidden, table, targets, weights=None, bias=None):
+        out = strategy(hidden, table, targets, weights, bias, layout=layout)
+        return out.loss, out.metrics
+
+    def partition_specs(layout_: Optional[recloss.MeshLayout] = None) -> recloss.Specs:
+        chosen = layout if layout_ is None else layout_
+        if chosen is None:
+            raise ValueError("partition_specs needs a recloss.MeshLayout (none was given here or to "
+                             "make_loss_fn)")
+        return strategy.partition_specs(chosen)
+
+    loss_fn.__doc__ = (f"recloss loss {name!r} with {options}: (hidden [..., D], table [V, D], "
+                       "targets [..., L], weights [...] | None, bias [V] | None) -> (loss, metrics)")
+    loss_fn.__name__ = f"recloss_{name}"
+    loss_fn.strategy = strategy
+    loss_fn.options = options
+    loss_fn.layout = layout
+    loss_fn.partition_specs = partition_specs
+    return loss_fn
+
+
+__all__ = ["config_to_dict", "make_loss_fn", "resolve_config"]

@@ -1,0 +1,163 @@
+"""The trainer's configuration keys: type and check of each (defaults live in configs/base.yml).
+
+A key's type is one of ``int``, ``float``, ``bool``, ``str`` or ``list`` (of
+str); ``optional=True`` also admits None (``null`` in YAML, ``none`` on the
+command line). ``choices`` lists the admitted values; ``check`` is a predicate
+with ``expected`` describing it for error messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Tuple
+
+import recloss
+
+# Mesh axis names the trainer understands (MaxText's names); `mesh_axes` orders them.
+MESH_AXES = ("data", "fsdp", "vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    type: type
+    check: Optional[Callable[[Any], bool]] = None
+    expected: str = ""
+    choices: Optional[Tuple[Any, ...]] = None
+    optional: bool = False
+
+
+def _nonneg_int(expected="an int >= 0"):
+    return Key(int, lambda v: v >= 0, expected)
+
+
+def _pos_int(expected="an int >= 1"):
+    return Key(int, lambda v: v >= 1, expected)
+
+
+def _parallelism():
+    return Key(int, lambda v: v == -1 or v >= 1, "-1 (fill with the remaining devices) or an int >= 1")
+
+
+def _unit(lo_open=False, hi_open=True):
+    lo = (lambda v: v > 0) if lo_open else (lambda v: v >= 0)
+    hi = (lambda v: v < 1) if hi_open else (lambda v: v <= 1)
+    text = f"a float in {'(' if lo_open else '['}0, 1{')' if hi_open else ']'}"
+    return Key(float, lambda v: lo(v) and hi(v), text)
+
+
+SCHEMA = {
+    # run
+    "run_name": Key(str),
+    "base_output_directory": Key(str, lambda v: v != "", "a non-empty directory path"),
+    "seed": _nonneg_int(),
+    "steps": _nonneg_int(),
+    "log_period": _pos_int(),
+    "enable_tensorboard": Key(bool),
+    "enable_checkpointing": Key(bool),
+    "checkpoint_period": _pos_int(),
+    "max_checkpoints_to_keep": _nonneg_int("an int >= 0 (0 = keep all)"),
+    "eval_interval": _nonneg_int("an int >= 0 (0 = evaluate only at the end)"),
+    "eval_top_k": _pos_int(),
+    "eval_batch_size": _pos_int(),
+    "eval_block_v": _pos_int(),
+    "eval_max_users": _nonneg_int("an int >= 0 (0 = every user)"),
+    # batch and sequence
+    "per_device_batch_size": _nonneg_int(),
+    "global_batch_size": _nonneg_int("an int >= 0 (0 = per_device_batch_size x devices)"),
+    "max_seq_len": _pos_int(),
+    "num_labels": _pos_int(),
+    # model
+    "vocab_size": _nonneg_int("an int >= 0 (0 = from the data)"),
+    "emb_dim": _pos_int(),
+    "num_layers": _pos_int(),
+    "num_heads": _pos_int(),
+    "mlp_dim": _pos_int(),
+    "dropout": _unit(),
+    "dtype": Key(str, choices=("float32", "bfloat16")),
+    "untie_embeddings": Key(bool),
+    "use_output_bias": Key(bool),
+    # optimizer
+    "learning_rate": Key(float, lambda v: v > 0, "a float > 0"),
+    "learning_rate_final_fraction": _unit(hi_open=False),
+    "warmup_steps": _nonneg_int(),
+    "weight_decay": Key(float, lambda v: v >= 0, "a float >= 0"),
+    "grad_clip": Key(float, lambda v: v >= 0, "a float >= 0 (0 = no clipping)"),
+    "adam_b1": _unit(),
+    "adam_b2": _unit(),
+    "adam_eps": Key(float, lambda v: v > 0, "a float > 0"),
+    # loss
+    "loss": Key(str),  # checked against recloss.available_strategies() at load time
+    "loss_block_v": _nonneg_int("an int >= 0 (0 = chosen by the strategy)"),
+    "loss_block_n": _nonneg_int("an int >= 0 (0 = chosen by the strategy)"),
+    "vocab_reduction": Key(str, choices=("mean", "sum")),
+    "label_smoothing": Key(float),
+    "pos_weight": Key(float),
+    "focal_gamma": Key(float),
+    "focal_alpha": Key(float, optional=True),
+    "loss_threshold": Key(float),
+    "loss_interpret": Key(bool, optional=True),
+    # mesh
+    "mesh_axes": Key(list, lambda v: sorted(v) == sorted(MESH_AXES),
+                     f"a list holding each of {list(MESH_AXES)} once, in mesh order"),
+    "ici_data_parallelism": _parallelism(),
+    "ici_fsdp_parallelism": _parallelism(),
+    "ici_vocab_parallelism": _parallelism(),
+    "dcn_data_parallelism": _parallelism(),
+    "dcn_fsdp_parallelism": _parallelism(),
+    "dcn_vocab_parallelism": _parallelism(),
+    "compile_topology": Key(str),
+    "compile_topology_num_slices": _pos_int(),
+    "compile_fit_hbm_gib": Key(float, lambda v: v >= 0, "a float >= 0 (0 = off)"),
+    # data
+    "dataset_type": Key(str, choices=("synthetic", "interactions", "yambda")),
+    "dataset_path": Key(str),
+    "file_format": Key(str, choices=("auto", "csv", "tsv", "parquet")),
+    "user_column": Key(str, lambda v: v != "", "a non-empty column name"),
+    "item_column": Key(str, lambda v: v != "", "a non-empty column name"),
+    "timestamp_column": Key(str, lambda v: v != "", "a non-empty column name"),
+    "min_user_interactions": _nonneg_int(),
+    "yambda_event_types": Key(list),
+    "yambda_organic_only": Key(bool),
+    "yambda_min_played_ratio_pct": Key(float, lambda v: 0 <= v <= 100, "a float in [0, 100]"),
+    "synthetic_num_users": _pos_int(),
+    "synthetic_num_items": Key(int, lambda v: v >= 2, "an int >= 2"),
+    "synthetic_min_len": _pos_int(),
+    "synthetic_max_len": _pos_int(),
+    "synthetic_num_intents": _pos_int(),
+    "synthetic_intents_per_user": _pos_int(),
+    "synthetic_zipf_exponent": Key(float, lambda v: v >= 0, "a float >= 0"),
+    "synthetic_follow_prob": _unit(hi_open=False),
+    "synthetic_switch_prob": _unit(hi_open=False),
+}
+
+# Config key -> recloss.LossOptions field, for the options the config exposes.
+LOSS_OPTION_KEYS = {
+    "loss_block_v": "block_v",
+    "loss_block_n": "block_n",
+    "vocab_reduction": "vocab_reduction",
+    "label_smoothing": "label_smoothing",
+    "pos_weight": "pos_weight",
+    "focal_gamma": "focal_gamma",
+    "focal_alpha": "focal_alpha",
+    "loss_threshold": "threshold",
+    "loss_interpret": "interpret",
+}
+
+# Id of the padding item: inputs, targets and row 0 of the table.
+PAD_ID = 0
+
+
+def loss_options(cfg, vocab_size: Optional[int] = None) -> recloss.LossOptions:
+    """The `recloss.LossOptions` a config asks for.
+
+    Fixed by the trainer: reduction='mean' over weighted positions, pad_id=0
+    (item 0 is padding), metrics on. ``vocab_size`` is the real V when the
+    table has padded rows."""
+    kwargs = {}
+    for key, field in LOSS_OPTION_KEYS.items():
+        value = cfg[key]
+        if key in ("loss_block_v", "loss_block_n") and value == 0:
+            value = None
+        kwargs[field] = value
+    return recloss.LossOptions(reduction="mean", pad_id=PAD_ID, compute_metrics=True,
+                               vocab_size=vocab_size, **kwargs)

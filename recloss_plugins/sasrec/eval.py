@@ -1,0 +1,121 @@
+"""Full-catalogue ranking evaluation without a [users, V] score matrix.
+
+`blocked_top_k` walks the table in blocks of ``block_v`` rows, keeping a
+running top-K per user: memory O(U·(K + block_v)). `ranking_metrics` turns
+the top-K ids and each user's held-out items into Hit@K, Recall@K and NDCG@K.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "block_v", "vocab_size", "pad_id"))
+def blocked_top_k(hidden, table, bias=None, *, k: int, block_v: int, vocab_size: int, pad_id: int = 0):
+    """Top-K items per row of ``hidden`` over the whole catalogue, in vocab blocks.
+
+    Scores are s[u, v] = hidden[u]·table[v] (+ bias[v]), float32. Ids equal to
+    ``pad_id`` or >= ``vocab_size`` (table padding rows) are never returned
+    while a real item is left; if fewer than K real items exist, the extra
+    slots hold id -1 with score -inf.
+
+    Args:
+      hidden: [U, D]. table: [V_rows, D], V_rows >= vocab_size. bias: [V_rows] or None.
+      k: K. block_v: table rows per block. vocab_size: real V (ids 0..V-1).
+    Returns:
+      (scores [U, K] float32 descending, ids [U, K] int32).
+    """
+    u, d = hidden.shape
+    rows = table.shape[0]
+    bv = max(1, min(block_v, rows))
+    nb = _cdiv(rows, bv)
+    pad = nb * bv - rows
+    blocks = jnp.pad(table, ((0, pad), (0, 0))).reshape(nb, bv, d)
+    bias_blocks = None if bias is None else jnp.pad(bias, (0, pad)).reshape(nb, bv)
+    h = hidden.astype(jnp.float32)
+    kb = min(k, bv)
+
+    def step(carry, j):
+        best_s, best_i = carry
+        blk = jax.lax.dynamic_index_in_dim(blocks, j, keepdims=False).astype(jnp.float32)
+        s = jnp.dot(h, blk.T, preferred_element_type=jnp.float32)
+        if bias_blocks is not None:
+            s = s + jax.lax.dynamic_index_in_dim(bias_blocks, j, keepdims=False).astype(jnp.float32)[None]
+        ids = j * bv + jnp.arange(bv, dtype=jnp.int32)
+        ok = (ids != pad_id) & (ids < vocab_size)
+        s = jnp.where(ok[None], s, -jnp.inf)
+        top_s, top_pos = jax.lax.top_k(s, kb)
+        top_i = jnp.where(jnp.isfinite(top_s), ids[top_pos], -1)
+        all_s = jnp.concatenate([best_s, top_s], axis=1)
+        all_i = jnp.concatenate([best_i, top_i], axis=1)
+        new_s, pos = jax.lax.top_k(all_s, k)
+        return (new_s, jnp.take_along_axis(all_i, pos, axis=1)), None
+
+    init = (jnp.full((u, k), -jnp.inf, jnp.float32), jnp.full((u, k), -1, jnp.int32))
+    (scores, ids), _ = jax.lax.scan(step, init, jnp.arange(nb))
+    return scores, ids
+
+
+def ranking_metrics(top_ids, targets, *, pad_id: int = 0) -> Dict[str, jax.Array]:
+    """Per-user Hit@K, Recall@K, NDCG@K.
+
+    T_u = unique ids of targets[u] other than ``pad_id``; rel_r = [top_ids[u, r] ∈ T_u].
+
+        hit    = [Σ_r rel_r ≥ 1]
+        recall = Σ_r rel_r / |T_u|
+        ndcg   = Σ_r rel_r / log2(r + 2)  /  Σ_{r < min(|T_u|, K)} 1 / log2(r + 2)
+
+    Args: top_ids [U, K] int (ranked, distinct); targets [U, L] int.
+    Returns: dict of [U] float32 (0 for users with no valid target) and
+      'valid' [U] bool (|T_u| ≥ 1).
+    """
+    top_ids = jnp.asarray(top_ids)
+    targets = jnp.asarray(targets)
+    k = top_ids.shape[1]
+    rel = jnp.any((top_ids[:, :, None] == targets[:, None, :]) & (targets[:, None, :] != pad_id), axis=2)
+    rel = rel.astype(jnp.float32)
+    srt = jnp.sort(targets, axis=1)
+    first = jnp.concatenate([jnp.ones_like(srt[:, :1], bool), srt[:, 1:] != srt[:, :-1]], axis=1)
+    n_t = jnp.sum(first & (srt != pad_id), axis=1).astype(jnp.float32)
+    discount = 1.0 / jnp.log2(jnp.arange(k, dtype=jnp.float32) + 2.0)
+    dcg = jnp.sum(rel * discount, axis=1)
+    ideal = jnp.sum(jnp.where(jnp.arange(k)[None] < n_t[:, None], discount[None], 0.0), axis=1)
+    valid = n_t > 0
+    safe = jnp.where(valid, 1.0, 0.0)
+    return {
+        "hit": (jnp.sum(rel, axis=1) > 0).astype(jnp.float32) * safe,
+        "recall": jnp.sum(rel, axis=1) / jnp.maximum(n_t, 1.0) * safe,
+        "ndcg": dcg / jnp.where(valid, ideal, 1.0) * safe,
+        "valid": valid,
+    }
+
+
+def popularity_top_k(counts: np.ndarray, k: int, *, pad_id: int = 0) -> np.ndarray:
+    """[K] ids of the most frequent items (ties: smaller id first), never ``pad_id``.
+
+    Args: counts [V] item counts. Returns int32 [K] (-1 fills when V-1 < K)."""
+    counts = np.asarray(counts, dtype=np.float64).copy()
+    counts[pad_id] = -np.inf
+    order = np.lexsort((np.arange(counts.size), -counts))
+    order = order[np.isfinite(counts[order])][:k]
+    return np.concatenate([order, -np.ones(k - order.size, np.int64)]).astype(np.int32)
+
+
+def summarize(per_user: Dict[str, np.ndarray], k: int) -> Dict[str, float]:
+    """Means over valid users: {'hit@K', 'recall@K', 'ndcg@K', 'users'}."""
+    valid = np.asarray(per_user["valid"], bool)
+    n = int(valid.sum())
+    out = {"users": float(n)}
+    for name in ("hit", "recall", "ndcg"):
+        vals = np.asarray(per_user[name], np.float64)[valid]
+        out[f"{name}@{k}"] = float(vals.mean()) if n else 0.0
+    return out

@@ -1,0 +1,239 @@
+"""Devices, mesh and shardings of the trainer (MaxText conventions).
+
+Mesh shape: per axis a in mesh_axes, ici_a_parallelism × dcn_a_parallelism
+(one -1 per group fills the remaining devices per slice / slices).
+Shardings:
+
+    batch arrays [B, ...]     P(batch_axes, None, ...)           batch_axes = (data, fsdp)
+    item table [V_rows, D]    the strategy's table spec: rows over (vocab, fsdp)
+    output bias [V_rows]      the strategy's bias spec
+    other params, ndim >= 2   leading dim over fsdp when it divides, else replicated
+    optimizer state           mirrors the params; counters replicated
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import recloss
+
+
+class MeshError(ValueError):
+    """The parallelism keys do not fit the devices."""
+
+
+# ----------------------------------------------------------------------------- multi-host
+_MULTIHOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
+
+
+def multihost_requested(env=None) -> bool:
+    """True when the environment describes a multi-process job.
+
+    Signals: a coordinator address (JAX_COORDINATOR_ADDRESS / COORDINATOR_ADDRESS,
+    set by launch/ scripts), a multi-host Cloud TPU slice (TPU_WORKER_HOSTNAMES
+    with several hosts), or SLURM / Open MPI with more than one task."""
+    env = os.environ if env is None else env
+    if any(env.get(k) for k in _MULTIHOST_ENV):
+        return True
+    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]) > 1:
+        return True
+    for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        try:
+            if int(env.get(key, "1")) > 1:
+                return True
+        except ValueError:
+            pass
+    return False
+
+
+def maybe_initialize_distributed(env=None) -> bool:
+    """jax.distributed.initialize() (arguments from the environment) when `multihost_requested`."""
+    if not multihost_requested(env):
+        return False
+    env = os.environ if env is None else env
+    kwargs = {}
+    addr = env.get("JAX_COORDINATOR_ADDRESS") or env.get("COORDINATOR_ADDRESS")
+    if addr:
+        kwargs["coordinator_address"] = addr
+        for key, arg in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+            if env.get(key):
+                kwargs[arg] = int(env[key])
+    jax.distributed.initialize(**kwargs)
+    return True
+
+
+# ----------------------------------------------------------------------------- mesh
+def _fill(shape: Sequence[int], total: int, what: str, keys: Sequence[str]) -> Tuple[int, ...]:
+    shape = list(shape)
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if total % known:
+            raise MeshError(f"{what}: {total} does not divide by the fixed degrees "
+                            f"{dict(zip(keys, shape))} (product {known})")
+        shape[shape.index(-1)] = total // known
+    if math.prod(shape) != total:
+        raise MeshError(f"{what}: the degrees {dict(zip(keys, shape))} multiply to {math.prod(shape)}, "
+                        f"but there are {total}; set one of {list(keys)} to -1 or fix the product")
+    return tuple(shape)
+
+
+def num_slices_of(devices) -> int:
+    idx = {getattr(d, "slice_index", 0) or 0 for d in devices}
+    return len(idx)
+
+
+def mesh_shape(cfg, num_devices: int, num_slices: int = 1):
+    """(ici shape, dcn shape) in mesh_axes order, -1s filled."""
+    axes = list(cfg.mesh_axes)
+    if num_devices % num_slices:
+        raise MeshError(f"{num_devices} devices do not split into {num_slices} slices")
+    ici_keys = [f"ici_{a}_parallelism" for a in axes]
+    dcn_keys = [f"dcn_{a}_parallelism" for a in axes]
+    ici = _fill([cfg[k] for k in ici_keys], num_devices // num_slices, "devices per slice", ici_keys)
+    dcn = _fill([cfg[k] for k in dcn_keys], num_slices, "slices", dcn_keys)
+    return ici, dcn
+
+
+def build_mesh(cfg, devices=None, num_slices: Optional[int] = None) -> Mesh:
+    """A Mesh over ``devices`` (default: all) with axes ``cfg.mesh_axes``."""
+    from jax.experimental import mesh_utils
+
+    devices = list(jax.devices() if devices is None else devices)
+    num_slices = num_slices_of(devices) if num_slices is None else num_slices
+    ici, dcn = mesh_shape(cfg, len(devices), num_slices)
+    if num_slices > 1:
+        arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+    else:
+        try:
+            arr = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+        except (NotImplementedError, ValueError, AssertionError):
+            # Device kinds without a physical-topology rule: plain order.
+            arr = np.asarray(devices, dtype=object).reshape(ici)
+    return Mesh(arr, tuple(cfg.mesh_axes))
+
+
+def layout_for(mesh: Mesh) -> recloss.MeshLayout:
+    return recloss.MeshLayout(mesh, batch_axes=("data", "fsdp"), fsdp_axis="fsdp", vocab_axis="vocab")
+
+
+# ----------------------------------------------------------------------------- shardings
+TABLE_PARAMS = (("item_emb", "embedding"), ("out_table",))
+BIAS_PARAMS = (("out_bias",),)
+
+
+def _path_names(path) -> tuple:
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(getattr(k, attr))
+                break
+    return tuple(out)
+
+
+def param_specs(params, layout: recloss.MeshLayout, specs: recloss.Specs):
+    """PartitionSpec tree for a params tree (see the module docstring)."""
+    fsdp = layout.fsdp_shards
+
+    def rule(path, x):
+        names = _path_names(path)
+        if names in TABLE_PARAMS:
+            return specs.table
+        if names in BIAS_PARAMS:
+            return specs.bias
+        if x.ndim >= 2 and fsdp > 1 and x.shape[0] % fsdp == 0:
+            return P(layout.fsdp_axis, *([None] * (x.ndim - 1)))
+        return P()
+
+    return jax.tree_util.tree_map_with_path(rule, params)
+
+
+def opt_state_specs(tx, opt_state_shapes, p_specs):
+    """Specs of an optax state: per-parameter leaves mirror ``p_specs``; the rest replicated."""
+    import optax
+
+    return optax.tree_map_params(tx, lambda _, spec: spec, opt_state_shapes, p_specs,
+                                 transform_non_params=lambda _: P(),
+                                 is_leaf=lambda x: isinstance(x, P))
+
+
+def named(mesh: Mesh, spec_tree):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_specs(layout: recloss.MeshLayout):
+    return {"inputs": layout.batch_spec(2), "targets": layout.batch_spec(3), "weights": layout.batch_spec(2)}
+
+
+def put_global(arr: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process holds whole (each places its shards)."""
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+
+def to_host(x) -> np.ndarray:
+    """A (possibly multi-process) global array as one numpy array on every process."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+# ----------------------------------------------------------------------------- TPU topologies
+_TPU_TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+                      256: "16x16"}
+_TPU_TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+                      256: "4x8x8", 512: "8x8x8"}
+
+
+def topology_name(name: str) -> str:
+    """MaxText-style accelerator names to libtpu topology names.
+
+    ``v6e-8`` -> ``v6e:2x4``; ``v5e-16`` (alias ``v5litepod-16``) -> ``v5e:4x4``;
+    ``v5p-16`` / ``v4-16`` (TensorCore counts, 2 per chip) -> ``v5p:2x2x2``.
+    Names already in ``gen:AxB[xC]`` form pass through."""
+    name = name.strip().lower()
+    if re.fullmatch(r"v[0-9a-z]+:\d+(x\d+){1,2}", name):
+        return name
+    m = re.fullmatch(r"(v6e|v5e|v5litepod|v5p|v4)-(\d+)", name)
+    if not m:
+        raise MeshError(f"compile_topology={name!r} is not a known TPU name; use e.g. v6e-8, v5e-8, "
+                        "v5p-8, v4-8 or a libtpu topology such as v6e:2x4")
+    gen, count = m.group(1), int(m.group(2))
+    gen = "v5e" if gen == "v5litepod" else gen
+    if gen in ("v6e", "v5e"):
+        table, chips = _TPU_TOPOLOGIES_2D, count
+    else:
+        if count % 2:
+            raise MeshError(f"compile_topology={name!r}: {gen} sizes count TensorCores (2 per chip); "
+                            "use an even number")
+        table, chips = _TPU_TOPOLOGIES_3D, count // 2
+    if chips not in table:
+        raise MeshError(f"compile_topology={name!r}: no {gen} topology with {chips} chips is known; "
+                        f"known chip counts: {sorted(table)} (or pass a libtpu name like {gen}:2x4)")
+    return f"{gen}:{table[chips]}"
+
+
+def topology_devices(name: str, num_slices: int = 1):
+    """Devices of a TPU topology for ahead-of-time compilation (no TPU needed)."""
+    from jax.experimental import topologies
+
+    # libtpu takes a machine-wide lock even to describe a topology; AOT needs no
+    # exclusive TPU access, so let several compile jobs share it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    topo = topology_name(name)
+    dims = [int(x) for x in topo.split(":")[1].split("x")]
+    bounds = tuple(min(d, 2) for d in dims[:2]) + (1,)
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chip_config_name="default",
+                                            chips_per_host_bounds=bounds, num_slices=num_slices)
+    except Exception as err:
+        raise MeshError(f"libtpu could not describe topology {topo!r} (from compile_topology={name!r}): "
+                        f"{err}") from err
+    return list(desc.devices)

@@ -1,0 +1,249 @@
+"""The jitted programs of a run (init, train step, evaluation) for a config, a mesh and a vocabulary.
+
+Shared by training on local devices and ahead-of-time compilation for a TPU
+topology: nothing here touches data or files.
+
+State (a pytree of global arrays):
+    params     pure dict of the SASRec parameters (float32)
+    opt_state  optax AdamW state
+    step       int32 scalar: optimizer steps taken
+    rng        uint32 [2] key data; step s uses dropout key fold_in(rng, s)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Callable, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import recloss
+from recloss_plugins.config import SCHEMA, loss_options
+from recloss_plugins.sasrec import parallel
+from recloss_plugins.sasrec.eval import blocked_top_k
+from recloss_plugins.sasrec.model import SASRec, compute_dtype
+
+
+def base_rate_logit(num_labels: int, vocab_size: int) -> float:
+    """log(p / (1 - p)) for p = L / (V - 1), the chance a given item is among L targets."""
+    p = min(num_labels / max(vocab_size - 1, 1), 0.5)
+    return math.log(p / (1 - p))
+
+
+def make_model(cfg, rows: int, rngs: nnx.Rngs, vocab_size: Optional[int] = None) -> SASRec:
+    bias0 = base_rate_logit(cfg.num_labels, vocab_size or rows)
+    return SASRec(output_bias_init=bias0, vocab_rows=rows, max_seq_len=cfg.max_seq_len, emb_dim=cfg.emb_dim,
+                  num_layers=cfg.num_layers, num_heads=cfg.num_heads, mlp_dim=cfg.mlp_dim,
+                  dropout=cfg.dropout, dtype=compute_dtype(cfg.dtype),
+                  untie_embeddings=cfg.untie_embeddings, use_output_bias=cfg.use_output_bias, rngs=rngs)
+
+
+def learning_rate_schedule(cfg) -> optax.Schedule:
+    """Linear warm-up 0 -> learning_rate over warmup_steps, then cosine decay to
+    learning_rate·learning_rate_final_fraction at `steps`."""
+    warmup = min(cfg.warmup_steps, max(cfg.steps, 1))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
+        decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.learning_rate * cfg.learning_rate_final_fraction)
+
+
+def make_optimizer(cfg):
+    """(optax transform, schedule): global-norm clipping, then AdamW (decay on matrices only)."""
+    schedule = learning_rate_schedule(cfg)
+    adamw = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                        weight_decay=cfg.weight_decay,
+                        mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params))
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
+    return tx, schedule
+
+
+def global_batch_size(cfg, layout: recloss.MeshLayout, num_devices: int) -> int:
+    b = cfg.global_batch_size or cfg.per_device_batch_size * num_devices
+    if b % layout.batch_shards:
+        key = "global_batch_size" if cfg.global_batch_size else "per_device_batch_size"
+        raise parallel.MeshError(f"config key {key!r}: the global batch {b} does not split over "
+                                 f"{layout.batch_shards} batch shards (data x fsdp); use a multiple of "
+                                 f"{layout.batch_shards}")
+    return b
+
+
+@dataclasses.dataclass
+class Program:
+    cfg: Any
+    mesh: Any
+    layout: recloss.MeshLayout
+    strategy: recloss.Strategy
+    vocab_size: int            # real V (ids 0..V-1, 0 = padding)
+    rows: int                  # table rows allocated (>= V, divisible over the table shards)
+    batch_size: int            # global
+    graphdef: Any
+    tx: Any
+    schedule: Callable
+    abstract_state: Any        # ShapeDtypeStructs with shardings
+    state_shardings: Any
+    batch_shardings: Dict[str, NamedSharding]
+    init: Callable             # () -> state
+    train_step: Callable       # (state, batch) -> (state, metrics)
+    eval_top_k: Callable       # (params, inputs [U, N], lengths [U]) -> (scores [U, K], ids [U, K])
+    _compiled: Any = dataclasses.field(default=None, repr=False)
+
+    def compiled_train_step(self):
+        """The train step compiled for the abstract state and batch (once per Program)."""
+        if self._compiled is None:
+            self._compiled = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
+        return self._compiled
+
+    def abstract_batch(self, batch_size=None):
+        b = self.batch_size if batch_size is None else batch_size
+        n, l = self.cfg.max_seq_len, self.cfg.num_labels
+        sh = self.batch_shardings
+        return {"inputs": jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=sh["inputs"]),
+                "targets": jax.ShapeDtypeStruct((b, n, l), jnp.int32, sharding=sh["targets"]),
+                "weights": jax.ShapeDtypeStruct((b, n), jnp.float32, sharding=sh["weights"])}
+
+
+# Keys that change nothing inside the jitted programs (run bookkeeping and data
+# loading; the vocabulary arrives as an argument).
+_NON_PROGRAM_KEYS = frozenset({
+    "run_name", "base_output_directory", "log_period", "enable_tensorboard", "enable_checkpointing",
+    "checkpoint_period", "max_checkpoints_to_keep", "eval_interval", "eval_max_users", "eval_batch_size",
+    "compile_topology", "compile_fit_hbm_gib", "dataset_type", "dataset_path", "file_format", "user_column",
+    "item_column", "timestamp_column", "min_user_interactions", "vocab_size",
+}) | {k for k in SCHEMA if k.startswith(("yambda_", "synthetic_"))}
+_PROGRAMS: "collections.OrderedDict" = collections.OrderedDict()
+_MAX_PROGRAMS = 4
+
+
+def program_for(cfg, mesh, vocab_size: int, *, batch_size=None) -> Program:
+    """`build_program`, memoised on everything that shapes the programs, so runs in one
+    process with the same model (a resume, a sweep over run names) compile once."""
+    key = (tuple((k, _hashable(cfg[k])) for k in SCHEMA if k not in _NON_PROGRAM_KEYS),
+           tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, tuple(mesh.axis_names),
+           mesh.devices.flat[0].device_kind, vocab_size, batch_size)
+    if key in _PROGRAMS:
+        _PROGRAMS.move_to_end(key)
+        return _PROGRAMS[key]
+    program = build_program(cfg, mesh, vocab_size, batch_size=batch_size)
+    _PROGRAMS[key] = program
+    while len(_PROGRAMS) > _MAX_PROGRAMS:
+        _PROGRAMS.popitem(last=False)
+    return program
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def build_program(cfg, mesh, vocab_size: int, *, batch_size=None) -> Program:
+    """Everything jitted for ``cfg`` on ``mesh`` with a ``vocab_size``-id vocabulary."""
+    layout = parallel.layout_for(mesh)
+    platform = layout.platform
+    rows = recloss.padded_vocab_size(vocab_size, layout)
+    strategy = recloss.get_strategy(cfg.loss, loss_options(cfg, vocab_size=vocab_size))
+    if not strategy.supported_on(platform):
+        others = [n for n in recloss.available_strategies() if recloss.get_strategy(n).supported_on(platform)]
+        raise ValueError(f"config key 'loss': strategy {cfg.loss!r} does not run on {platform!r}; "
+                         f"strategies that do: {others}")
+    specs = strategy.partition_specs(layout)
+    b = batch_size or global_batch_size(cfg, layout, mesh.devices.size)
+    tx, schedule = make_optimizer(cfg)
+    cdtype = compute_dtype(cfg.dtype)
+    seed = cfg.seed
+
+    abstract_model = nnx.eval_shape(lambda: make_model(cfg, rows, nnx.Rngs(0), vocab_size))
+    graphdef = nnx.graphdef(abstract_model)
+
+    def init():
+        keys = jax.random.split(jax.random.key(seed), 2)
+        model = make_model(cfg, rows, nnx.Rngs(params=keys[0]), vocab_size)
+        params = nnx.to_pure_dict(nnx.state(model))
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(keys[1])}
+
+    shapes = jax.eval_shape(init)
+    p_specs = parallel.param_specs(shapes["params"], layout, specs)
+    state_specs = {"params": p_specs, "opt_state": parallel.opt_state_specs(tx, shapes["opt_state"], p_specs),
+                   "step": P(), "rng": P()}
+    state_sh = parallel.named(mesh, state_specs)
+    abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                  shapes, state_sh)
+    batch_sh = parallel.named(mesh, parallel.batch_specs(layout))
+    replicated = NamedSharding(mesh, P())
+
+    def loss_fn(params, batch, key):
+        model = nnx.merge(graphdef, params)
+        hidden = model(batch["inputs"], rng=key)
+        table = model.output_table().astype(cdtype)
+        out = strategy(hidden, table, batch["targets"], batch["weights"], model.output_bias(), layout=layout)
+        return out.loss, out.metrics
+
+    def train_step(state, batch):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        key = key if cfg.dropout > 0 else None
+        (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key)
+        gnorm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        # A non-finite step leaves the state as it was; the host stops the run on seeing `finite`.
+        keep = lambda new, old: jnp.where(finite, new, old)
+        new_state = {"params": jax.tree.map(keep, params, state["params"]),
+                     "opt_state": jax.tree.map(keep, opt_state, state["opt_state"]),
+                     "step": state["step"] + 1, "rng": state["rng"]}
+        metrics = {"loss": loss, "grad_norm": gnorm, "finite": finite,
+                   "learning_rate": schedule(state["step"]),
+                   **{k: mets[k] for k in ("tp", "fp", "fn", "weight_sum", "num_targets", "invalid_targets")
+                      if k in mets}}
+        return new_state, metrics
+
+    k = cfg.eval_top_k
+
+    def eval_top_k(params, inputs, lengths):
+        model = nnx.merge(graphdef, params)
+        hidden = model(inputs)
+        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        table = jax.lax.with_sharding_constraint(model.output_table(), replicated)
+        bias = model.output_bias()
+        if bias is not None:
+            bias = jax.lax.with_sharding_constraint(bias, replicated)
+        return blocked_top_k(last, table, bias, k=k, block_v=cfg.eval_block_v, vocab_size=vocab_size)
+
+    eval_in = (state_sh["params"], NamedSharding(mesh, layout.batch_spec(2)), NamedSharding(mesh, layout.batch_spec(1)))
+    return Program(
+        cfg=cfg, mesh=mesh, layout=layout, strategy=strategy, vocab_size=vocab_size, rows=rows, batch_size=b,
+        graphdef=graphdef, tx=tx, schedule=schedule, abstract_state=abstract_state, state_shardings=state_sh,
+        batch_shardings=batch_sh,
+        init=jax.jit(init, out_shardings=state_sh),
+        train_step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                           donate_argnums=(0,)),
+        eval_top_k=jax.jit(eval_top_k, in_shardings=eval_in),
+    )
+
+
+def memory_report(compiled) -> Dict[str, float]:
+    """Per-device bytes of a compiled program (MaxText's accounting: args + outputs + temps − aliases)."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {}
+    if isinstance(ma, (list, tuple)):
+        ma = ma[0]
+    get = lambda name: float(getattr(ma, name, 0) or 0)
+    out = {"argument": get("argument_size_in_bytes"), "output": get("output_size_in_bytes"),
+           "temp": get("temp_size_in_bytes"), "alias": get("alias_size_in_bytes"),
+           "code": get("generated_code_size_in_bytes")}
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+def format_memory(rep: Dict[str, float]) -> str:
+    if not rep:
+        return "memory analysis unavailable on this backend"
+    g = lambda x: f"{x / 2**30:.3f} GiB"
+    return (f"total {g(rep['total'])} = arguments {g(rep['argument'])} + outputs {g(rep['output'])} "
+            f"+ temporaries {g(rep['temp'])} - aliased {g(rep['alias'])} (code {g(rep['code'])})")

@@ -1,0 +1,356 @@
+"""recloss-train: the reference multi-label SASRec trainer.
+
+    recloss-train configs/base.yml loss=cutbce_pallas steps=100 run_name=demo
+
+Loads and validates the config, builds the paper's splits (Section III-E),
+trains SASRec with `recloss.bce_loss` (the configured strategy) on a device
+mesh, logs loss / throughput / cut metrics, checkpoints with Orbax (re-running
+the same run_name resumes from the latest checkpoint), and ends with dev/test
+Hit@K, Recall@K, NDCG@K next to a most-popular baseline. With
+``compile_topology`` set it compiles the train step for that TPU topology
+instead and prints per-chip HBM (see `aot`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+import jax
+import numpy as np
+
+from recloss_plugins.config import ConfigError, dump_config, load_config
+from recloss_plugins.sasrec import data as data_lib
+from recloss_plugins.sasrec import eval as eval_lib
+from recloss_plugins.sasrec import parallel
+from recloss_plugins.sasrec.logging_utils import MetricsWriter, Progress, format_duration
+from recloss_plugins.sasrec.program import Program, format_memory, memory_report, program_for
+
+USAGE = """usage: recloss-train [CONFIG.yml] [key=value ...]
+
+Trains the multi-label SASRec reference model. CONFIG defaults to configs/base.yml,
+which lists every key with a comment. Examples:
+  recloss-train configs/base.yml loss=cutbce_pallas steps=100
+  recloss-train configs/sasrec_yambda.yml compile_topology=v6e-8 loss=dense_bce
+"""
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a non-finite loss or gradient; the run stopped without saving."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: Path
+    steps_done: int
+    data_position: int
+    losses: Dict[int, float]          # step index (0-based) -> loss, for every step this run took
+    evals: Dict[str, Dict[str, float]]  # 'dev', 'test', 'dev_popularity', 'test_popularity'
+    state: Optional[dict] = None      # final state (global arrays)
+    program: Optional[Program] = None
+
+
+def _scalar(x) -> float:
+    """A replicated scalar's value on this process (works multi-process too)."""
+    return float(np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x)
+
+
+def _run_dir(cfg) -> Path:
+    name = cfg.run_name
+    if not name:
+        if jax.process_count() > 1:
+            raise ConfigError("config key 'run_name' must be set for a multi-process run "
+                              "(every process must agree on the run directory)")
+        name = time.strftime("sasrec_%Y%m%d_%H%M%S")
+    return Path(cfg.base_output_directory).expanduser().resolve() / name
+
+
+# ----------------------------------------------------------------------------- evaluation
+def evaluate(program: Program, params, split: data_lib.EvalSplit, *, max_users: int = 0,
+             popularity_counts: Optional[np.ndarray] = None) -> Dict[str, Dict[str, float]]:
+    """Hit/Recall/NDCG@K of the model (and of the most-popular baseline) on ``split``.
+
+    Users are scored in batches of eval_batch_size (rounded up to the batch
+    shards), the last batch padded with dummy users that are dropped."""
+    cfg, k = program.cfg, program.cfg.eval_top_k
+    n = split.num_users if not max_users else min(max_users, split.num_users)
+    shards = program.layout.batch_shards
+    bs = -(-cfg.eval_batch_size // shards) * shards
+    in_sh = jax.sharding.NamedSharding(program.mesh, program.layout.batch_spec(2))
+    len_sh = jax.sharding.NamedSharding(program.mesh, program.layout.batch_spec(1))
+    tops = []
+    for lo in range(0, n, bs):
+        hi = min(lo + bs, n)
+        inputs = np.zeros((bs, cfg.max_seq_len), np.int32)
+        lengths = np.ones(bs, np.int32)
+        inputs[:hi - lo] = split.inputs[lo:hi]
+        lengths[:hi - lo] = split.lengths[lo:hi]
+        _, ids = program.eval_top_k(params, parallel.put_global(inputs, in_sh),
+                                    parallel.put_global(lengths, len_sh))
+        tops.append(parallel.to_host(ids)[:hi - lo])
+    top = np.concatenate(tops) if tops else np.zeros((0, k), np.int32)
+    targets = split.targets[:n]
+    out = {"model": eval_lib.summarize(eval_lib.ranking_metrics(top, targets), k)}
+    if popularity_counts is not None:
+        pop = np.broadcast_to(eval_lib.popularity_top_k(popularity_counts, k), (n, k))
+        out["popularity"] = eval_lib.summarize(eval_lib.ranking_metrics(pop, targets), k)
+    return out
+
+
+# ----------------------------------------------------------------------------- checkpoints
+class Checkpoints:
+    """Orbax CheckpointManager over ``run_dir/checkpoints``: the state pytree and a JSON record."""
+
+    def __init__(self, directory: Path, max_to_keep: int):
+        import orbax.checkpoint as ocp
+        self.ocp = ocp
+        self.directory = directory
+        self.manager = ocp.CheckpointManager(
+            directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep or None, create=True))
+
+    def latest(self) -> Optional[int]:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state, meta: dict):
+        ocp = self.ocp
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)))
+
+    def restore(self, step: int, abstract_state):
+        ocp = self.ocp
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        return out["state"], out["meta"]
+
+    def close(self):
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+# ----------------------------------------------------------------------------- training
+def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop_after: Optional[int] = None,
+          log=print, progress_stream=None) -> TrainResult:
+    """Trains (or resumes) the run ``cfg`` describes and evaluates it.
+
+    Args:
+      cfg: a config from `load_config`.
+      devices: devices of the mesh (default: all).
+      dataset: prebuilt data (default: built from cfg).
+      stop_after: stop once this many steps are done in total, as if preempted
+        (checkpoints are written only at their usual period); for tests.
+      log: a print-like function for log lines (only process 0 logs).
+    Raises:
+      NonFiniteLossError: a step's loss or gradient norm was not finite.
+    """
+    is_main = jax.process_index() == 0
+    say = log if is_main else (lambda *a, **k: None)
+    devices = list(jax.devices() if devices is None else devices)
+    mesh = parallel.build_mesh(cfg, devices)
+
+    t0 = time.perf_counter()
+    ds = dataset if dataset is not None else data_lib.build_dataset(cfg)
+    vocab = ds.vocab_size
+    if cfg.vocab_size:
+        if cfg.vocab_size < vocab:
+            raise ConfigError(f"config key 'vocab_size' is {cfg.vocab_size}, but the data has "
+                              f"{vocab - 1} items (+1 padding = {vocab}); set vocab_size: 0 or >= {vocab}")
+        vocab = cfg.vocab_size
+    say(f"data: {cfg.dataset_type}, {ds.sequences.num_users} users, {ds.sequences.items.size} interactions, "
+        f"{ds.sequences.num_items} items (V={vocab} with padding); split users train {ds.train.num_users} "
+        f"dev {ds.dev.num_users} test {ds.test.num_users} ({time.perf_counter() - t0:.1f}s)")
+
+    program = program_for(cfg, mesh, vocab)
+    B = program.batch_size
+    say(f"mesh: {dict(mesh.shape)} over {len(devices)} {program.layout.platform} device(s); "
+        f"loss={cfg.loss}; table rows {program.rows} (V={vocab}); global batch {B}")
+
+    run_dir = _run_dir(cfg)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    writer = MetricsWriter(run_dir, cfg.enable_tensorboard, active=is_main, log=say)
+    ckpt = Checkpoints(run_dir / "checkpoints", cfg.max_checkpoints_to_keep) if cfg.enable_checkpointing else None
+
+    try:
+        return _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, stop_after=stop_after, say=say,
+                           is_main=is_main, progress_stream=progress_stream)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+        writer.close()
+
+
+def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, say, is_main, progress_stream):
+    B = program.batch_size
+    # ---- state: resume or init
+    state, position, start = None, 0, 0
+    if ckpt is not None and ckpt.latest() is not None:
+        latest = ckpt.latest()
+        old_cfg = run_dir / "config.yml"
+        if old_cfg.exists():
+            _report_config_changes(old_cfg, cfg, say)
+        try:
+            state, meta = ckpt.restore(latest, program.abstract_state)
+        except Exception as err:  # shape/structure mismatch: a different model in this run_name
+            raise ConfigError(f"cannot resume {run_dir} from step {latest}: {err}. The checkpoint was "
+                              "written by a different model/vocabulary; use a new run_name") from err
+        if meta.get("vocab_size") != vocab or meta.get("table_rows") != program.rows:
+            raise ConfigError(f"cannot resume {run_dir}: its checkpoint has V={meta.get('vocab_size')}, "
+                              f"{meta.get('table_rows')} rows; this run has V={vocab}, {program.rows} rows")
+        position, start = int(meta["data_position"]), int(meta["step"])
+        say(f"resumed from {ckpt.directory} step {start} (data position {position})")
+    else:
+        state = program.init()
+    if is_main:
+        dump_config(cfg, run_dir / "config.yml")
+
+    compiled = program.compiled_train_step()
+    say(f"compiled train step, per-device memory: {format_memory(memory_report(compiled))}")
+
+    batches = data_lib.TrainBatches(ds.train, B, cfg.seed)
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    losses: Dict[int, float] = {}
+    pending = []            # (step index, metrics) not yet fetched to the host
+    window = {"t": time.perf_counter(), "step": start}
+    progress = Progress(cfg.steps, start, progress_stream)
+    last_saved = ckpt.latest() if ckpt is not None else None
+
+    def fetch():
+        """Moves pending metrics to the host; raises on the first non-finite step."""
+        rows = [(s, {k: _scalar(v) for k, v in m.items()}) for s, m in pending]
+        pending.clear()
+        for s, m in rows:
+            if not m["finite"]:
+                progress.clear()
+                where = (f"the last good checkpoint is step {last_saved} in {ckpt.directory} (left intact)"
+                         if last_saved is not None else "no checkpoint was written")
+                raise NonFiniteLossError(
+                    f"non-finite loss {m['loss']} (grad norm {m['grad_norm']}) at step {s + 1}; stopping. "
+                    f"{where}. Lower learning_rate, enable grad_clip, or use dtype=float32.")
+            losses[s] = m["loss"]
+        return rows
+
+    def log_window(done: int, rows):
+        if not rows:
+            return
+        now = time.perf_counter()
+        dt = max(now - window["t"], 1e-9)
+        steps_n = done - window["step"]
+        agg = {k: sum(m[k] for _, m in rows) for k in ("tp", "fp", "fn", "weight_sum") if k in rows[0][1]}
+        loss = float(np.mean([m["loss"] for _, m in rows]))
+        prec = agg["tp"] / max(agg["tp"] + agg["fp"], 1e-12) if "tp" in agg else float("nan")
+        rec = agg["tp"] / max(agg["tp"] + agg["fn"], 1e-12) if "tp" in agg else float("nan")
+        sps = steps_n / dt
+        ips = agg.get("weight_sum", 0.0) / dt
+        eta = (cfg.steps - done) / sps if sps > 0 else float("inf")
+        last = rows[-1][1]
+        progress.clear()
+        say(f"step {done}/{cfg.steps} | loss {loss:.6g} | precision {prec:.3f} recall {rec:.3f} | "
+            f"grad_norm {last['grad_norm']:.3g} | lr {last['learning_rate']:.3g} | {sps:.2f} steps/s | "
+            f"{ips:,.0f} items/s | ETA {format_duration(eta)}")
+        writer.write(done, {"loss": loss, "precision": prec, "recall": rec, "grad_norm": last["grad_norm"],
+                            "learning_rate": last["learning_rate"], "steps_per_sec": sps, "items_per_sec": ips})
+        window.update(t=now, step=done)
+
+    rows_since_log = []
+    evals: Dict[str, Dict[str, float]] = {}
+    try:
+        for s in range(start, end):
+            batch = batches.batch(position)
+            batch = {k: parallel.put_global(v, program.batch_shardings[k]) for k, v in batch.items()}
+            state, metrics = compiled(state, batch)
+            position += B
+            pending.append((s, metrics))
+            done = s + 1
+            progress.update(done)
+            is_log = done % cfg.log_period == 0 or done == end
+            is_ckpt = ckpt is not None and (done % cfg.checkpoint_period == 0 or done == cfg.steps)
+            if is_log or is_ckpt:
+                rows_since_log += fetch()
+            if is_log:
+                log_window(done, rows_since_log)
+                rows_since_log = []
+            if is_ckpt:
+                ckpt.save(done, state, {"step": done, "data_position": position, "vocab_size": vocab,
+                                        "table_rows": program.rows, "global_batch_size": B, "loss": cfg.loss,
+                                        "seed": cfg.seed})
+                last_saved = done
+            if cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.steps:
+                res = evaluate(program, state["params"], ds.dev, max_users=cfg.eval_max_users)
+                progress.clear()
+                say(f"step {done} dev: " + _fmt_eval(res["model"]))
+                writer.write(done, res["model"], prefix="dev")
+        rows_since_log += fetch()
+        log_window(end, rows_since_log)
+    finally:
+        progress.clear()
+
+    if end >= cfg.steps:
+        k = cfg.eval_top_k
+        for name, split in (("dev", ds.dev), ("test", ds.test)):
+            res = evaluate(program, state["params"], split, popularity_counts=ds.popularity)
+            evals[name], evals[f"{name}_popularity"] = res["model"], res["popularity"]
+            writer.write(end, res["model"], prefix=name)
+            writer.write(end, res["popularity"], prefix=f"{name}_popularity")
+        say(f"evaluation at step {end} (top-{k} over all {vocab - 1} items, {ds.dev.num_users} dev / "
+            f"{ds.test.num_users} test users):")
+        for name in ("dev", "test"):
+            say(f"  {name:<4} SASRec     {_fmt_eval(evals[name])}")
+            say(f"  {name:<4} popularity {_fmt_eval(evals[name + '_popularity'])}")
+        if is_main:
+            (run_dir / "eval_results.json").write_text(json.dumps({"step": end, **evals}, indent=2))
+    say(f"run directory: {run_dir}")
+    return TrainResult(run_dir, end, position, losses, evals, state, program)
+
+
+def _fmt_eval(res: Dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.4f}" for k, v in res.items() if k != "users")
+
+
+def _report_config_changes(path: Path, cfg, say):
+    import yaml
+    try:
+        old = yaml.safe_load(path.read_text()) or {}
+    except Exception:  # an unreadable old copy only loses the diff
+        return
+    changed = {k: (old.get(k), cfg[k]) for k in cfg.keys() if k in old and old.get(k) != cfg[k]
+               and not (isinstance(cfg[k], (list, tuple)) and list(cfg[k]) == old.get(k))}
+    if changed:
+        say("resuming with changed config keys: " +
+            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+
+
+# ----------------------------------------------------------------------------- entry point
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    try:
+        cfg = load_config(argv)
+    except ConfigError as err:
+        print(f"recloss-train: config error: {err}", file=sys.stderr)
+        return 2
+    try:
+        if cfg.compile_topology:
+            from recloss_plugins.sasrec import aot
+            aot.compile_report(cfg)
+            return 0
+        parallel.maybe_initialize_distributed()
+        if jax.process_index() == 0:
+            print("config:\n" + "\n".join(f"  {line}" for line in dump_config(cfg).splitlines()), flush=True)
+        train(cfg, log=lambda *a: print(*a, flush=True))
+    except ConfigError as err:
+        print(f"recloss-train: config error: {err}", file=sys.stderr)
+        return 2
+    except (data_lib.DataError, parallel.MeshError, NonFiniteLossError) as err:
+        print(f"recloss-train: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

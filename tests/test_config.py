@@ -1,0 +1,156 @@
+"""Config loading: base.yml completeness, overrides, inheritance, and the errors users see."""
+
+import re
+
+import pytest
+import yaml
+
+from recloss_plugins.config import (SCHEMA, ConfigError, default_config_path, dump_config, load_config,
+                                    loss_options)
+
+BASE = default_config_path()
+CONFIGS = BASE.parent
+
+
+def test_base_yml_sets_every_key_once_with_a_comment_and_the_declared_type():
+    text = BASE.read_text()
+    data = yaml.safe_load(text)
+    assert set(data) == set(SCHEMA), (set(data) ^ set(SCHEMA))
+    for key in SCHEMA:
+        lines = [l for l in text.splitlines() if re.match(rf"^{key}:", l)]
+        assert len(lines) == 1, key
+        assert "#" in lines[0] and lines[0].split("#", 1)[1].strip(), f"{key} has no comment"
+    cfg = load_config([str(BASE)])
+    for key, spec in SCHEMA.items():
+        value = cfg[key]
+        assert value is None and spec.optional or isinstance(value, spec.type), (key, value)
+
+
+def test_every_config_file_in_configs_loads():
+    files = sorted(CONFIGS.glob("*.yml"))
+    assert BASE in files and len(files) >= 2
+    for f in files:
+        load_config([str(f)])
+
+
+def test_overrides_are_parsed_to_the_key_type():
+    cfg = load_config([str(BASE), "steps=100", "learning_rate=1e-3", "dropout=0", "untie_embeddings=true",
+                       "focal_alpha=0.25", "loss_interpret=none", "mesh_axes=[fsdp,data,vocab]",
+                       "run_name=007", "--seed=3", "yambda_event_types=listen,like", "steps=1e3"])
+    assert cfg.steps == 1000 and isinstance(cfg.steps, int)   # later override wins
+    assert cfg.learning_rate == 1e-3 and isinstance(cfg.learning_rate, float)
+    assert cfg.dropout == 0.0 and isinstance(cfg.dropout, float)
+    assert cfg.untie_embeddings is True
+    assert cfg.focal_alpha == 0.25 and cfg.loss_interpret is None
+    assert list(cfg.mesh_axes) == ["fsdp", "data", "vocab"]
+    assert cfg.run_name == "007" and cfg.seed == 3
+    assert list(cfg.yambda_event_types) == ["listen", "like"]
+
+
+def test_yaml_scientific_notation_without_dot_is_a_float(tmp_path):
+    f = tmp_path / "exp.yml"
+    f.write_text(f"base_config: {BASE}\nlearning_rate: 5e-4\nweight_decay: 1\n")
+    cfg = load_config([str(f)])
+    assert cfg.learning_rate == 5e-4 and cfg.weight_decay == 1.0
+
+
+@pytest.mark.parametrize("arg, key, fragment", [
+    ("learnig_rate=0.1", "learnig_rate", "did you mean 'learning_rate'"),
+    ("stepss=3", "stepss", "did you mean 'steps'"),
+    ("steps=abc", "steps", "must be an int"),
+    ("steps=-1", "steps", "an int >= 0"),
+    ("steps=1.5", "steps", "must be an int"),
+    ("dropout=1.5", "dropout", "[0, 1)"),
+    ("dtype=float16", "dtype", "one of ['float32', 'bfloat16']"),
+    ("dataset_type=synthtic", "dataset_type", "did you mean 'synthetic'"),
+    ("loss=cutbc", "loss", "did you mean 'cutbce'"),
+    ("label_smoothing=1.0", "label_smoothing", "label_smoothing"),
+    ("pos_weight=0", "pos_weight", "pos_weight"),
+    ("focal_alpha=2", "focal_alpha", "focal_alpha"),
+    ("untie_embeddings=maybe", "untie_embeddings", "a bool"),
+    ("learning_rate=nan", "learning_rate", "finite"),
+    ("num_heads=3", "num_heads", "must divide emb_dim"),
+    ("mesh_axes=[data,fsdp]", "mesh_axes", "each of"),
+    ("ici_fsdp_parallelism=-1", "ici_fsdp_parallelism", "at most one"),
+    ("ici_vocab_parallelism=0", "ici_vocab_parallelism", "-1"),
+    ("dataset_type=interactions", "dataset_path", "must name a file"),
+    ("synthetic_min_len=500", "synthetic_min_len", "<= synthetic_max_len"),
+])
+def test_bad_overrides_fail_naming_the_key(arg, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config([str(BASE), arg])
+    msg = str(err.value)
+    assert repr(key) in msg, msg
+    assert fragment in msg, msg
+
+
+def test_not_key_value_and_base_config_override_are_rejected():
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config([str(BASE), "steps"])
+    with pytest.raises(ConfigError, match="base_config cannot be overridden"):
+        load_config([str(BASE), "base_config=x.yml"])
+
+
+def test_inheritance_chain_relative_paths_and_precedence(tmp_path):
+    (tmp_path / "sub").mkdir()
+    mid = tmp_path / "mid.yml"
+    mid.write_text(f"base_config: {BASE}\nsteps: 7\nemb_dim: 32\n")
+    leaf = tmp_path / "sub" / "leaf.yml"
+    leaf.write_text("base_config: ../mid.yml\nsteps: 9\n")
+    cfg = load_config([str(leaf), "emb_dim=16"])
+    assert cfg.steps == 9           # leaf over mid
+    assert cfg.emb_dim == 16        # command line over files
+    assert cfg.mlp_dim == yaml.safe_load(BASE.read_text())["mlp_dim"]   # from base
+
+
+def test_file_errors(tmp_path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text(f"base_config: {BASE}\nlerning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'lerning_rate' \(in .*bad.yml\); did you mean"):
+        load_config([str(bad)])
+    partial = tmp_path / "partial.yml"
+    partial.write_text("steps: 3\n")
+    with pytest.raises(ConfigError, match="does not set"):
+        load_config([str(partial)])
+    a, b = tmp_path / "a.yml", tmp_path / "b.yml"
+    a.write_text("base_config: b.yml\n")
+    b.write_text("base_config: a.yml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config([str(a)])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config([str(tmp_path / "nope.yml")])
+    notmap = tmp_path / "list.yml"
+    notmap.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config([str(notmap)])
+    broken = tmp_path / "broken.yml"
+    broken.write_text("steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config([str(broken)])
+
+
+def test_dump_round_trips_and_config_is_locked(tmp_path):
+    cfg = load_config([str(BASE), "steps=17", "focal_alpha=0.5", "mesh_axes=[vocab,data,fsdp]"])
+    out = tmp_path / "resolved.yml"
+    dump_config(cfg, out)
+    back = load_config([str(out)])
+    assert {k: back[k] for k in SCHEMA} == {k: cfg[k] for k in SCHEMA}
+    with pytest.raises(AttributeError):
+        cfg.not_a_key = 1
+
+
+def test_loss_options_mapping():
+    cfg = load_config([str(BASE), "loss_block_v=256", "loss_block_n=0", "label_smoothing=0.1",
+                       "loss_threshold=-1.5", "focal_gamma=2", "vocab_reduction=sum"])
+    opts = loss_options(cfg, vocab_size=1001)
+    assert opts.block_v == 256 and opts.block_n is None
+    assert opts.label_smoothing == 0.1 and opts.threshold == -1.5 and opts.focal_gamma == 2.0
+    assert opts.vocab_reduction == "sum" and opts.pad_id == 0 and opts.vocab_size == 1001
+    assert opts.reduction == "mean"
+
+
+def test_main_reports_config_errors_with_exit_code_2(capsys):
+    from recloss_plugins.sasrec.train import main
+    assert main([str(BASE), "learnig_rate=1"]) == 2
+    err = capsys.readouterr().err
+    assert "learnig_rate" in err and "learning_rate" in err

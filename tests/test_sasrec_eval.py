@@ -1,0 +1,74 @@
+"""Blocked top-K against a dense argsort, ranking metrics against hand computation."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from recloss_plugins.sasrec import eval as E
+
+
+def _dense_top_k(h, e, b, k, vocab_size, pad_id=0):
+    s = h.astype(np.float64) @ e.astype(np.float64).T
+    if b is not None:
+        s = s + b
+    s[:, pad_id] = -np.inf
+    s[:, vocab_size:] = -np.inf
+    return np.argsort(-s, axis=1, kind="stable")[:, :k], np.sort(s, axis=1)[:, ::-1][:, :k]
+
+
+@pytest.mark.parametrize("rows, vocab, block_v, k, bias", [
+    (507, 507, 64, 8, False),      # blocks do not divide V
+    (512, 501, 128, 10, True),     # padded table rows past V are never returned
+    (300, 300, 1000, 5, False),    # one block larger than the table
+    (97, 97, 7, 12, True),         # K larger than the block
+])
+def test_blocked_top_k_matches_dense(rng, rows, vocab, block_v, k, bias):
+    u, d = 23, 16
+    h = rng.normal(size=(u, d)).astype(np.float32)
+    e = rng.normal(size=(rows, d)).astype(np.float32)
+    b = rng.normal(size=rows).astype(np.float32) if bias else None
+    e[0] = 10 * h.mean(0)          # the padding row would win everywhere if it were allowed
+    scores, ids = E.blocked_top_k(jnp.asarray(h), jnp.asarray(e), None if b is None else jnp.asarray(b),
+                                  k=k, block_v=block_v, vocab_size=vocab)
+    ref_ids, ref_scores = _dense_top_k(h, e, b, k, vocab)
+    np.testing.assert_allclose(np.asarray(scores), ref_scores, rtol=1e-4, atol=1e-4)
+    # Ids agree wherever scores are not tied within float32 noise.
+    gaps = np.diff(ref_scores, axis=1)
+    clear = np.ones_like(ref_ids, bool)
+    clear[:, 1:] &= np.abs(gaps) > 1e-3
+    clear[:, :-1] &= np.abs(gaps) > 1e-3
+    assert np.array_equal(np.asarray(ids)[clear], ref_ids[clear])
+    assert not (np.asarray(ids) == 0).any() and (np.asarray(ids) < vocab).all()
+
+
+def test_blocked_top_k_with_fewer_items_than_k():
+    h = jnp.ones((2, 4))
+    e = jnp.arange(24, dtype=jnp.float32).reshape(6, 4)
+    scores, ids = E.blocked_top_k(h, e, k=8, block_v=4, vocab_size=4)   # real items: 1, 2, 3
+    assert np.asarray(ids)[0].tolist() == [3, 2, 1, -1, -1, -1, -1, -1]
+    assert np.isneginf(np.asarray(scores)[0, 3:]).all()
+
+
+def test_ranking_metrics_by_hand():
+    top = np.array([[5, 3, 9, 1],      # targets {3, 1, 7}: hits at ranks 1 and 3
+                    [2, 4, 6, 8],      # targets {1}: miss
+                    [7, 1, 2, 3],      # targets {7, 7, pad}: one unique target, hit at rank 0
+                    [1, 2, 3, 4]])     # no valid targets: excluded
+    targets = np.array([[3, 1, 7, 0], [1, 0, 0, 0], [7, 7, 0, 0], [0, 0, 0, 0]])
+    m = E.ranking_metrics(top, targets)
+    d = [1 / math.log2(r + 2) for r in range(4)]
+    np.testing.assert_allclose(np.asarray(m["hit"]), [1, 0, 1, 0])
+    np.testing.assert_allclose(np.asarray(m["recall"]), [2 / 3, 0, 1, 0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(m["ndcg"]), [(d[1] + d[3]) / (d[0] + d[1] + d[2]), 0, 1, 0],
+                               rtol=1e-6)
+    assert np.asarray(m["valid"]).tolist() == [True, True, True, False]
+    s = E.summarize(m, 4)
+    assert s["users"] == 3 and s["hit@4"] == pytest.approx(2 / 3)
+
+
+def test_popularity_top_k_never_returns_padding():
+    counts = np.array([100, 5, 9, 9, 0, 7])
+    assert E.popularity_top_k(counts, 3).tolist() == [2, 3, 5]    # ties: smaller id first
+    assert E.popularity_top_k(counts, 7).tolist() == [2, 3, 5, 1, 4, -1, -1]

@@ -1,0 +1,98 @@
+"""Mesh shapes from the parallelism keys, parameter specs, topology names, multi-host
+detection, the batch search of the AOT report, and (slow) TPU ahead-of-time compilation."""
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from recloss_plugins.config import default_config_path, load_config
+from recloss_plugins.sasrec import aot, parallel
+
+
+def _cfg(*extra):
+    return load_config([str(default_config_path()), *extra])
+
+
+def test_mesh_shape_fills_minus_one_and_rejects_bad_products():
+    assert parallel.mesh_shape(_cfg(), 8) == ((8, 1, 1), (1, 1, 1))
+    cfg = _cfg("ici_data_parallelism=2", "ici_fsdp_parallelism=-1", "ici_vocab_parallelism=2")
+    assert parallel.mesh_shape(cfg, 8) == ((2, 2, 2), (1, 1, 1))
+    cfg = _cfg("mesh_axes=[vocab,data,fsdp]", "ici_vocab_parallelism=4")
+    assert parallel.mesh_shape(cfg, 8) == ((4, 2, 1), (1, 1, 1))
+    assert parallel.mesh_shape(_cfg(), 8, num_slices=2) == ((4, 1, 1), (2, 1, 1))
+    with pytest.raises(parallel.MeshError, match="multiply to 6"):
+        parallel.mesh_shape(_cfg("ici_data_parallelism=3", "ici_fsdp_parallelism=2"), 8)
+    with pytest.raises(parallel.MeshError, match="does not divide"):
+        parallel.mesh_shape(_cfg("ici_fsdp_parallelism=3"), 8)
+
+
+def test_build_mesh_on_cpu_devices_and_param_specs():
+    import recloss
+    cfg = _cfg("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_vocab_parallelism=2")
+    mesh = parallel.build_mesh(cfg, jax.devices()[:8])
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "vocab": 2}
+    layout = parallel.layout_for(mesh)
+    specs = recloss.get_strategy("cutbce").partition_specs(layout)
+    params = {"item_emb": {"embedding": jax.ShapeDtypeStruct((512, 16), "float32")},
+              "out_bias": jax.ShapeDtypeStruct((512,), "float32"),
+              "blocks": {0: {"fc": {"kernel": jax.ShapeDtypeStruct((16, 32), "float32"),
+                                    "bias": jax.ShapeDtypeStruct((32,), "float32")},
+                             "odd": {"kernel": jax.ShapeDtypeStruct((3, 4), "float32")}}}}
+    got = parallel.param_specs(params, layout, specs)
+    assert got["item_emb"]["embedding"] == specs.table == P(("vocab", "fsdp"), None)
+    assert got["out_bias"] == specs.bias
+    assert got["blocks"][0]["fc"]["kernel"] == P("fsdp", None)
+    assert got["blocks"][0]["fc"]["bias"] == P()
+    assert got["blocks"][0]["odd"]["kernel"] == P()          # 3 rows do not split over fsdp=2
+
+
+def test_topology_names():
+    assert parallel.topology_name("v6e-8") == "v6e:2x4"
+    assert parallel.topology_name("v5litepod-16") == "v5e:4x4"
+    assert parallel.topology_name("v5p-16") == "v5p:2x2x2"
+    assert parallel.topology_name("v4-8") == "v4:2x2x1"
+    assert parallel.topology_name("v6e:2x2") == "v6e:2x2"
+    with pytest.raises(parallel.MeshError, match="not a known TPU name"):
+        parallel.topology_name("tpu8")
+    with pytest.raises(parallel.MeshError, match="no v6e topology with 12 chips"):
+        parallel.topology_name("v6e-12")
+
+
+def test_multihost_detection_is_env_driven():
+    assert not parallel.multihost_requested({})
+    assert not parallel.multihost_requested({"TPU_WORKER_HOSTNAMES": "localhost"})
+    assert parallel.multihost_requested({"TPU_WORKER_HOSTNAMES": "h0,h1"})
+    assert parallel.multihost_requested({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
+    assert parallel.multihost_requested({"SLURM_NTASKS": "4"})
+    assert not parallel.multihost_requested({"SLURM_NTASKS": "1", "OMPI_COMM_WORLD_SIZE": "1"})
+    assert not parallel.maybe_initialize_distributed({})
+
+
+@pytest.mark.parametrize("limit_fit, unit, start", [(100, 8, 64), (7, 8, 64), (64, 8, 64), (1000, 16, 16),
+                                                    (8, 8, 64), (250, 4, 4)])
+def test_largest_fitting_batch(limit_fit, unit, start):
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        assert b % unit == 0 and b > 0
+        return b <= limit_fit
+
+    best = aot.largest_fitting_batch(fits, unit, start)
+    assert best == limit_fit // unit * unit
+    assert len(calls) < 20
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot
+def test_aot_compile_for_v6e_cutbce_uses_less_hbm_than_dense():
+    # Large enough that dense logits dominate: 8 x 128 x 65,536 x 4 B = 256 MiB per chip each.
+    base = ["compile_topology=v6e-8", "vocab_size=65536", "max_seq_len=128", "global_batch_size=64",
+            "emb_dim=64", "num_heads=2", "mlp_dim=128", "num_layers=1"]
+    res = {}
+    for loss in ("dense_bce", "cutbce"):
+        logs = []
+        res[loss] = aot.compile_report(_cfg(*base, f"loss={loss}"), log=logs.append)
+        assert any("per-chip HBM" in l for l in logs)
+        assert res[loss]["memory"]["argument"] > 0
+    assert res["cutbce"]["total_gib"] < res["dense_bce"]["total_gib"] - 0.25

@@ -1,0 +1,137 @@
+"""recloss-train end to end on tiny synthetic data: artifacts, resume equality, strategy
+equality, non-finite stop, and the (2, 2, 2) mesh against one device."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import recloss
+from recloss_plugins.config import default_config_path, load_config
+from recloss_plugins.sasrec import data as D
+from recloss_plugins.sasrec.train import NonFiniteLossError, Checkpoints, main, train
+
+TINY = [
+    "synthetic_num_users=48", "synthetic_num_items=127", "synthetic_min_len=20", "synthetic_max_len=30",
+    "synthetic_num_intents=4", "synthetic_intents_per_user=2", "num_labels=4", "max_seq_len=8",
+    "global_batch_size=16", "emb_dim=16", "num_layers=1", "num_heads=2", "mlp_dim=32", "dropout=0.1",
+    "learning_rate=3e-3", "warmup_steps=2", "eval_batch_size=32", "eval_block_v=48", "log_period=2",
+]
+
+
+def _cfg(tmp_path, *extra):
+    return load_config([str(default_config_path()), *TINY, f"base_output_directory={tmp_path}", *extra])
+
+
+def _one_device():
+    return jax.devices()[:1]
+
+
+def _params(result):
+    return [np.asarray(x) for x in jax.tree.leaves(result.state["params"])]
+
+
+def test_end_to_end_writes_every_artifact(tmp_path, capsys):
+    rc = main([str(default_config_path()), *TINY, f"base_output_directory={tmp_path}", "run_name=e2e",
+               "steps=6", "checkpoint_period=4"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "config:" in out and "per-device memory" in out and "step 6/6 | loss" in out
+    assert "precision" in out and "items/s" in out and "ETA" in out
+    assert "SASRec" in out and "popularity" in out
+    run = tmp_path / "e2e"
+    cfg = load_config([str(run / "config.yml")])
+    assert cfg.steps == 6 and cfg.run_name == "e2e"
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train_rows] == [2, 4, 6]
+    assert all(np.isfinite(r["loss"]) and 0 <= r["recall"] <= 1 for r in train_rows)
+    assert {r["split"] for r in rows} >= {"dev", "test", "dev_popularity", "test_popularity"}
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    ckpt = Checkpoints(run / "checkpoints", 0)
+    assert ckpt.manager.all_steps() == [4, 6]
+    ckpt.close()
+    res = json.loads((run / "eval_results.json").read_text())
+    assert set(res) == {"step", "dev", "test", "dev_popularity", "test_popularity"}
+    assert 0 <= res["test"]["hit@8"] <= 1
+
+
+def test_resume_ends_with_the_same_parameters(tmp_path):
+    common = ["steps=7", "checkpoint_period=2", "log_period=1"]
+    ds = D.build_dataset(_cfg(tmp_path, *common))
+    full = train(_cfg(tmp_path, *common, "run_name=full"), devices=_one_device(), dataset=ds,
+                 log=lambda *a: None)
+    # Preempted after step 5: the last checkpoint is step 4; step 5 is redone on resume.
+    cut = train(_cfg(tmp_path, *common, "run_name=cut"), devices=_one_device(), dataset=ds,
+                stop_after=5, log=lambda *a: None)
+    assert cut.steps_done == 5 and not cut.evals
+    logs = []
+    resumed = train(_cfg(tmp_path, *common, "run_name=cut"), devices=_one_device(), dataset=ds, log=logs.append)
+    assert any("resumed from" in l and "step 4" in l for l in logs)
+    assert sorted(resumed.losses) == [4, 5, 6]
+    assert resumed.data_position == full.data_position == 7 * 16
+    for s in (4, 5, 6):
+        assert resumed.losses[s] == full.losses[s]
+    for a, b in zip(_params(full), _params(resumed)):
+        np.testing.assert_array_equal(a, b)
+    assert resumed.evals["test"] == full.evals["test"]
+
+
+def test_strategies_give_equal_loss_curves(tmp_path):
+    names = [n for n in ("dense_bce", "cutbce", "cutbce_pallas") if n in recloss.available_strategies()]
+    assert names[:2] == ["dense_bce", "cutbce"]
+    common = ["steps=5", "enable_checkpointing=false", "enable_tensorboard=false", "log_period=1"]
+    ds = D.build_dataset(_cfg(tmp_path, *common))
+    curves = {}
+    for name in names:
+        r = train(_cfg(tmp_path, *common, f"loss={name}", f"run_name={name}"), devices=_one_device(),
+                  dataset=ds, log=lambda *a: None)
+        curves[name] = np.array([r.losses[s] for s in range(5)])
+    ref = curves["dense_bce"]
+    assert ref[-1] < ref[0]
+    for name, curve in curves.items():
+        np.testing.assert_allclose(curve, ref, rtol=2e-5, err_msg=name)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    # lr 1e30 reached at step index 1 blows the parameters up; the loss of step index 2 is NaN.
+    cfg = _cfg(tmp_path, "steps=8", "checkpoint_period=2", "log_period=1", "learning_rate=1e30",
+               "warmup_steps=2", "run_name=nan")
+    with pytest.raises(NonFiniteLossError, match=r"at step 3.*last good checkpoint is step 2"):
+        train(cfg, log=lambda *a: None)
+    ckpt = Checkpoints(tmp_path / "nan" / "checkpoints", 0)
+    assert ckpt.manager.all_steps() == [2]
+    ckpt.close()
+    rc = main([str(default_config_path()), *TINY, f"base_output_directory={tmp_path}", "run_name=nan2",
+               "steps=8", "learning_rate=1e30", "warmup_steps=2", "log_period=1"])
+    assert rc == 1
+
+
+def test_resume_refuses_a_different_model(tmp_path):
+    train(_cfg(tmp_path, "steps=2", "checkpoint_period=2", "run_name=m"), devices=_one_device(),
+          log=lambda *a: None)
+    from recloss_plugins.config import ConfigError
+    with pytest.raises(ConfigError, match="new run_name"):
+        train(_cfg(tmp_path, "steps=4", "emb_dim=32", "run_name=m"), devices=_one_device(), log=lambda *a: None)
+
+
+@pytest.mark.slow
+def test_mesh_2x2x2_matches_one_device(tmp_path):
+    assert len(jax.devices()) == 8
+    # V = 512 = padded rows on both meshes, so both initialise the same table.
+    common = ["steps=4", "enable_checkpointing=false", "enable_tensorboard=false", "log_period=1",
+              "synthetic_num_items=511", "loss=cutbce"]
+    ds = D.build_dataset(_cfg(tmp_path, *common))
+    one = train(_cfg(tmp_path, *common, "run_name=one"), devices=_one_device(), dataset=ds, log=lambda *a: None)
+    logs = []
+    mesh = train(_cfg(tmp_path, *common, "run_name=mesh", "ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                      "ici_vocab_parallelism=2"), dataset=ds, log=logs.append)
+    assert any("{'data': 2, 'fsdp': 2, 'vocab': 2}" in l for l in logs)
+    assert mesh.program.rows == one.program.rows == 512
+    table = mesh.state["params"]["item_emb"]["embedding"]
+    assert table.sharding.spec[0] == ("vocab", "fsdp")
+    np.testing.assert_allclose([mesh.losses[s] for s in range(4)], [one.losses[s] for s in range(4)], rtol=2e-5)
+    for a, b in zip(_params(one), _params(mesh)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+    assert mesh.evals["test"]["hit@8"] == pytest.approx(one.evals["test"]["hit@8"], abs=1 / 48)

@@ -1,0 +1,206 @@
+"""Float64 numpy ground truth for `recloss.bce_loss`, written from the formula alone.
+
+Nothing here imports recloss: the oracle is an independent reading of
+DESIGN.md "The math" and the `LossOptions` docstring.
+
+For hidden rows h_i, table rows e_v and bias b_v the logits are
+``x_iv = h_i·e_v + b_v`` (dense [M, R] in float64). Row i's target set T_i is
+its unique ids t with t != pad_id and 0 <= t < V (V = vocab_size or R); every
+other non-pad id is invalid and counted once per occurrence. With
+y_iv = [v ∈ T_i], the soft label y' = y(1 − ε) + ε/2 and
+
+    P(x) = pos_weight · α · (1 − σ(x))^γ · softplus(−x)
+    Q(x) = (1 − α) · σ(x)^γ · softplus(x)          (α-factors are 1 when focal_alpha is None)
+
+the position loss is ``ℓ_i = s_V · Σ_{v < V} [y'·P(x_iv) + (1 − y')·Q(x_iv)]`` with
+s_V = 1/V for vocab_reduction='mean' and 1 for 'sum'; table rows ≥ V are inert.
+
+Derivatives (s = σ(x), σ' = s(1 − s), softplus'(±x) = ±σ(±x)):
+
+    P'(x) = −pos_weight·α·(1 − s)^γ · [γ·s·softplus(−x) + (1 − s)]
+    Q'(x) =  (1 − α)·s^γ · [γ·(1 − s)·softplus(x) + s]
+
+Reduction with position weights w_i (1 when weights is None):
+'mean' L = Σ w·ℓ / Σ w (0 when Σ w = 0), 'sum' L = Σ w·ℓ, 'none' w·ℓ per position.
+Gradients are of L, or of Σ_i c_i·w_i·ℓ_i for 'none' with a cotangent c:
+G_iv = k_i·s_V·[y'·P' + (1 − y')·Q'] (live columns only), k_i the row's
+coefficient; then dhidden = G·E, dtable = Gᵀ·H, dbias = Σ_i G_i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import numpy as np
+
+# Options the oracle ignores: they change how, not what, is computed.
+_SCHEDULE_OPTIONS = ("block_v", "block_n", "compute_metrics", "interpret")
+
+
+@dataclasses.dataclass
+class OracleResult:
+    """Float64 ground truth.
+
+    loss: float ('mean'/'sum') or array with hidden's leading shape ('none').
+    rows: ℓ_i per position (before weights), hidden's leading shape.
+    grads: 'hidden', 'table', 'bias' (None without bias), 'weights' (d L / d w;
+      NaN for 'mean' when Σ w = 0, where L is not differentiable).
+    loss_scale, grad_scale: the loss and the gradients computed over absolute
+      values of the terms an implementation following DESIGN.md adds up: the dense
+      background (ε/2)·P + (1 − ε/2)·Q over every live column plus the sparse
+      correction (1 − ε)·(P − Q) at the targets, then |G|·|E|, |G|ᵀ·|H|, Σ|G|,
+      (|ℓ| + |L|)/Σw. They bound the float32 rounding error of such an
+      implementation where the exact result cancels (e.g. a single well-predicted
+      target, where background Q and correction −Q nearly cancel).
+    metrics: tp, fp, fn, tn (weighted), num_targets, invalid_targets, weight_sum.
+    metric_slack: Σ_i |w_i|·#{live v: x_iv within 1e-4·max(1, |x|) of the threshold};
+      a float32 implementation may classify those elements either way.
+    logits: the float64 logits [M, R].
+    """
+    loss: object
+    rows: np.ndarray
+    grads: Dict[str, Optional[np.ndarray]]
+    loss_scale: object
+    grad_scale: Dict[str, Optional[np.ndarray]]
+    metrics: Dict[str, float]
+    metric_slack: float
+    logits: np.ndarray
+
+
+def f64(x) -> np.ndarray:
+    """Any array (numpy, jax, bfloat16) as float64 numpy."""
+    return np.asarray(x).astype(np.float64)
+
+
+def softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def sigmoid_pair(x):
+    """(σ(x), 1 − σ(x)) without overflow or cancellation."""
+    e = np.exp(-np.abs(x))
+    big = 1.0 / (1.0 + e)
+    small = e / (1.0 + e)
+    return np.where(x >= 0, big, small), np.where(x >= 0, small, big)
+
+
+def pq_terms(x, *, pos_weight=1.0, focal_gamma=0.0, focal_alpha=None):
+    """(P, Q, P', Q') elementwise in float64."""
+    s, t = sigmoid_pair(x)
+    sp_pos, sp_neg = softplus(x), softplus(-x)
+    ap = 1.0 if focal_alpha is None else focal_alpha
+    aq = 1.0 if focal_alpha is None else 1.0 - focal_alpha
+    g = float(focal_gamma)
+    t_pow, s_pow = np.power(t, g), np.power(s, g)      # 0**0 == 1, as γ = 0 requires
+    p = pos_weight * ap * t_pow * sp_neg
+    q = aq * s_pow * sp_pos
+    dp = -pos_weight * ap * t_pow * (g * s * sp_neg + t)
+    dq = aq * s_pow * (g * t * sp_pos + s)
+    return p, q, dp, dq
+
+
+def labels_and_invalid(targets, vocab_size: int, rows: int, pad_id: int = -1):
+    """Multi-hot labels [M, rows] from targets [M, L] and the invalid-id count."""
+    t = np.asarray(targets).astype(np.int64)
+    ok = (t != pad_id) & (t >= 0) & (t < vocab_size)
+    bad = (t != pad_id) & ~((t >= 0) & (t < vocab_size))
+    y = np.zeros((t.shape[0], rows), np.float64)
+    r = np.broadcast_to(np.arange(t.shape[0])[:, None], t.shape)
+    y[r[ok], t[ok]] = 1.0            # repeats set the same entry: duplicates count once
+    return y, int(bad.sum())
+
+
+def bce_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent=None,
+               reduction="mean", vocab_reduction="mean", pad_id=-1, label_smoothing=0.0,
+               pos_weight=1.0, focal_gamma=0.0, focal_alpha=None, threshold=0.0,
+               vocab_size=None, **schedule) -> OracleResult:
+    """The loss, its gradients and the metrics in float64 (see the module docstring).
+
+    Args:
+      hidden [..., D], table [R, D], targets [..., L] ints, weights [...] or None,
+      bias [R] or None; cotangent [...] for reduction='none' (None = ones).
+      The keyword options mirror `recloss.LossOptions`; block sizes and other
+      schedule-only options are accepted and ignored.
+    """
+    unknown = set(schedule) - set(_SCHEDULE_OPTIONS)
+    if unknown:
+        raise TypeError(f"oracle got unknown options {sorted(unknown)}")
+    h = f64(hidden)
+    lead, d = h.shape[:-1], h.shape[-1]
+    h2 = h.reshape(-1, d)
+    e = f64(table)
+    m, r = h2.shape[0], e.shape[0]
+    v = r if vocab_size is None else int(vocab_size)
+    assert v <= r
+    t2 = np.asarray(targets).reshape(m, -1)
+    w = np.ones(m) if weights is None else f64(weights).reshape(m)
+
+    x = h2 @ e.T
+    if bias is not None:
+        x = x + f64(bias)[None, :]
+    live = (np.arange(r) < v)[None, :]
+    y, invalid = labels_and_invalid(t2, v, r, pad_id)
+    eps = float(label_smoothing)
+    ys = y * (1.0 - eps) + eps / 2.0
+    p, q, dp, dq = pq_terms(x, pos_weight=pos_weight, focal_gamma=focal_gamma, focal_alpha=focal_alpha)
+    vscale = 1.0 / v if vocab_reduction == "mean" else 1.0
+    elem = np.where(live, ys * p + (1.0 - ys) * q, 0.0)
+    ell = vscale * elem.sum(axis=1)
+    wsum = w.sum()
+    # Magnitudes of the background + correction split (see OracleResult).
+    bg_v, bg_d = eps / 2 * p + (1 - eps / 2) * q, eps / 2 * dp + (1 - eps / 2) * dq
+    corr_v, corr_d = (1 - eps) * (p - q), (1 - eps) * (dp - dq)
+    ell_abs = vscale * np.where(live, np.abs(bg_v) + y * np.abs(corr_v), 0.0).sum(axis=1)
+    g_abs = vscale * np.where(live, np.abs(bg_d) + y * np.abs(corr_d), 0.0)
+
+    if reduction == "mean":
+        loss = float((w * ell).sum() / wsum) if wsum != 0 else 0.0
+        k = w / wsum if wsum != 0 else np.zeros(m)
+        dw = (ell - loss) / wsum if wsum != 0 else np.full(m, np.nan)
+        dw_abs = (ell_abs + abs(loss)) / abs(wsum) if wsum != 0 else np.full(m, np.nan)
+        loss_abs = float((np.abs(w) * ell_abs).sum() / abs(wsum)) if wsum != 0 else 0.0
+    elif reduction == "sum":
+        loss = float((w * ell).sum())
+        k, dw = w, ell
+        dw_abs = ell_abs
+        loss_abs = float((np.abs(w) * ell_abs).sum())
+    elif reduction == "none":
+        c = np.ones(m) if cotangent is None else f64(cotangent).reshape(m)
+        loss = (w * ell).reshape(lead)
+        k, dw = c * w, c * ell
+        dw_abs = np.abs(c) * ell_abs
+        loss_abs = (np.abs(w) * ell_abs).reshape(lead)
+    else:
+        raise ValueError(f"oracle: unknown reduction {reduction!r}")
+
+    g = k[:, None] * vscale * np.where(live, ys * dp + (1.0 - ys) * dq, 0.0)
+    grads = {
+        "hidden": (g @ e).reshape(lead + (d,)),
+        "table": g.T @ h2,
+        "bias": None if bias is None else g.sum(axis=0),
+        "weights": dw.reshape(lead),
+    }
+    ga = np.abs(k)[:, None] * g_abs
+    grad_scale = {
+        "hidden": (ga @ np.abs(e)).reshape(lead + (d,)),
+        "table": ga.T @ np.abs(h2),
+        "bias": None if bias is None else ga.sum(axis=0),
+        "weights": dw_abs.reshape(lead),
+    }
+
+    pred = (x > threshold) & live
+    pos = y > 0
+    neg = ~pos & live
+    metrics = {
+        "tp": float((w * (pred & pos).sum(1)).sum()),
+        "fp": float((w * (pred & neg).sum(1)).sum()),
+        "fn": float((w * (~pred & pos).sum(1)).sum()),
+        "tn": float((w * (~pred & neg).sum(1)).sum()),
+        "num_targets": float(y.sum()),
+        "invalid_targets": float(invalid),
+        "weight_sum": float(wsum),
+    }
+    near = (np.abs(x - threshold) <= 1e-4 * np.maximum(1.0, np.abs(x))) & live
+    slack = float((np.abs(w) * near.sum(1)).sum())
+    return OracleResult(loss, ell.reshape(lead), grads, loss_abs, grad_scale, metrics, slack, x)

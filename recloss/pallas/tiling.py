@@ -237,9 +237,10 @@ def choose(mode: str, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Loss
     while temps(bs, bv) > budget * _TEMP_SHARE and bs > 128:
         bs = max(128, _round_up(bs // 2, sub))
     if estimate(bs, bs, bv, 2) > budget:
+        what = f"LossOptions.block_v={bv}" if opts.block_v else f"block_v={bv}"
         raise ValueError(
-            f"cutbce_pallas cannot tile D={d} (block_v={bv}, {bs} rows) within {where}; "
-            f"smallest configuration needs {estimate(bs, bs, bv, 2) / MiB:.1f} MiB")
+            f"cutbce_pallas cannot tile D={d} with {what} and {bs}-row tiles within {where}; "
+            f"the smallest such configuration needs {estimate(bs, bs, bv, 2) / MiB:.1f} MiB")
     # All rows in one resident tile when they fit (no dE accumulation in HBM).
     one = _round_up(m_pad, bs)
     if estimate(one, bs, bv, 1) <= budget:

@@ -99,52 +99,25 @@ def _call(mode: str, t: tiling.Tiling, a, e, b, r, de_in, db_in, off, *, v_local
     def blk(c, j):
         return jnp.minimum(c * nbc + j, nb - 1)
 
-    ins, in_specs, names = [a, e], [pl.BlockSpec((bn, dp), lambda c, j, o: (0, 0)),
-                                    pl.BlockSpec((bv, dp), lambda c, j, o: (blk(c, j), 0))], ["a", "e"]
-    if has_bias:
-        ins.append(b)
-        in_specs.append(pl.BlockSpec((1, bv), lambda c, j, o: (0, blk(c, j))))
-        names.append("b")
-    if grad:
-        ins.append(r)
-        in_specs.append(pl.BlockSpec((bn, 1), lambda c, j, o: (0, 0)))
-        names.append("r")
-    aliases = {}
-    if accumulate:
-        ins.append(de_in)
-        in_specs.append(pl.BlockSpec((bv, dp), lambda c, j, o: (blk(c, j), 0)))
-        names.append("de_in")
-        if has_bias:
-            ins.append(db_in)
-            in_specs.append(pl.BlockSpec((1, bv), lambda c, j, o: (0, blk(c, j))))
-            names.append("db_in")
-
-    out_shapes, out_specs, out_names = [], [], []
-    row_spec = lambda w: pl.BlockSpec((None, bn, w), lambda c, j, o: (c, 0, 0))
-    if loss:
-        out_shapes.append(jax.ShapeDtypeStruct((cores, bn, _LANES), jnp.float32))
-        out_specs.append(row_spec(_LANES))
-        out_names.append("bg")
-        if count:
-            out_shapes.append(jax.ShapeDtypeStruct((cores, bn, _LANES), jnp.float32))
-            out_specs.append(row_spec(_LANES))
-            out_names.append("cnt")
-    if grad:
-        out_shapes.append(jax.ShapeDtypeStruct((cores, bn, dp), jnp.float32))
-        out_specs.append(row_spec(dp))
-        out_names.append("da")
-        out_shapes.append(jax.ShapeDtypeStruct((v_local, dp), de_dtype))
-        out_specs.append(pl.BlockSpec((bv, dp), lambda c, j, o: (blk(c, j), 0)))
-        out_names.append("de")
-        if has_bias:
-            out_shapes.append(jax.ShapeDtypeStruct((1, v_local), jnp.float32))
-            out_specs.append(pl.BlockSpec((1, bv), lambda c, j, o: (0, blk(c, j))))
-            out_names.append("db")
-    if accumulate:
-        # Input indices count the scalar-prefetch operand (position 0).
-        aliases = {1 + names.index("de_in"): out_names.index("de")}
-        if has_bias:
-            aliases[1 + names.index("db_in")] = out_names.index("db")
+    col = lambda: pl.BlockSpec((bv, dp), lambda c, j, o: (blk(c, j), 0))          # E_j, dE_j
+    lane = lambda: pl.BlockSpec((1, bv), lambda c, j, o: (0, blk(c, j)))          # b_j, db_j
+    resident = lambda w: pl.BlockSpec((bn, w), lambda c, j, o: (0, 0))           # A, r
+    per_core = lambda w: pl.BlockSpec((None, bn, w), lambda c, j, o: (c, 0, 0))  # bg, cnt, dA
+    inputs = [(n, x, spec) for n, x, spec in (
+        ("a", a, resident(dp)), ("e", e, col()), ("b", b, lane()), ("r", r, resident(1)),
+        ("de_in", de_in, col()), ("db_in", db_in, lane())) if x is not None]
+    f32 = jnp.float32
+    outputs = [(n, jax.ShapeDtypeStruct(shape, dt), spec) for n, shape, dt, spec, want in (
+        ("bg", (cores, bn, _LANES), f32, per_core(_LANES), loss),
+        ("cnt", (cores, bn, _LANES), f32, per_core(_LANES), count),
+        ("da", (cores, bn, dp), f32, per_core(dp), grad),
+        ("de", (v_local, dp), de_dtype, col(), grad),
+        ("db", (1, v_local), f32, lane(), grad and has_bias)) if want]
+    names = [n for n, _, _ in inputs]
+    out_names = [n for n, _, _ in outputs]
+    # dE/db of earlier row chunks are read and overwritten in place. Input
+    # positions count the scalar-prefetch operand (position 0).
+    aliases = {1 + names.index(n + "_in"): out_names.index(n) for n in ("de", "db") if n + "_in" in names}
     scratch = []
     de_scratch = grad and jnp.dtype(de_dtype) != jnp.float32
     if de_scratch:
@@ -220,7 +193,7 @@ def _call(mode: str, t: tiling.Tiling, a, e, b, r, de_in, db_in, off, *, v_local
 
     factor = {"fused": 6, "loss": 2, "grad": 4}[mode]
     a_bytes, e_bytes = jnp.dtype(a.dtype).itemsize, jnp.dtype(e.dtype).itemsize
-    out_bytes = sum(int(s.size) * jnp.dtype(s.dtype).itemsize for s in out_shapes)
+    out_bytes = sum(int(o.size) * jnp.dtype(o.dtype).itemsize for _, o, _ in outputs)
     in_bytes = bn * dp * a_bytes + v_local * dp * e_bytes + (v_local * 4 if has_bias else 0)
     in_bytes += (bn * 4 if grad else 0) + (v_local * (dp + 1) * 4 if accumulate else 0)
     cost = pl.CostEstimate(
@@ -232,16 +205,17 @@ def _call(mode: str, t: tiling.Tiling, a, e, b, r, de_in, db_in, off, *, v_local
                                  vmem_limit_bytes=t.chip.vmem_limit_bytes)
     outs = pl.pallas_call(
         kernel,
-        out_shape=out_shapes,
+        out_shape=[o for _, o, _ in outputs],
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(cores, nbc),
-                                               in_specs=in_specs, out_specs=out_specs,
+                                               in_specs=[spec for _, _, spec in inputs],
+                                               out_specs=[spec for _, _, spec in outputs],
                                                scratch_shapes=scratch),
         input_output_aliases=aliases,
         compiler_params=params,
         cost_estimate=cost,
         interpret=plan.interpret,
         name=f"cutbce_{mode}",
-    )(off, *ins)
+    )(off, *[x for _, x, _ in inputs])
     return dict(zip(out_names, outs))
 
 

@@ -6,6 +6,8 @@ passes and the dense baseline cannot drift apart in their math.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -65,12 +67,26 @@ def bernoulli_terms(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = 
     return value, dvalue
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def bernoulli_value(x, opts: LossOptions, cp: float, cq: float):
+    """``cp·P(x) + cq·Q(x)`` whose derivative is the analytic one of `bernoulli_terms`.
+
+    Autodiff through the stable formula would rebuild 1 − σ(x) as
+    softplus'(x) − 1 and lose it to cancellation at large |x|.
+    """
+    return bernoulli_terms(x, opts, cp, cq, grad=False)[0]
+
+
+@bernoulli_value.defjvp
+def _bernoulli_value_jvp(opts, cp, cq, primals, tangents):
+    value, dvalue = bernoulli_terms(primals[0], opts, cp, cq, grad=True)
+    return value, dvalue * tangents[0]
+
+
 def elementwise_loss(x, y, opts: LossOptions):
     """Per-logit loss y'·P(x) + (1 − y')·Q(x) for a hard label y ∈ {0, 1} (float)."""
     ysoft = y * (1.0 - opts.label_smoothing) + opts.label_smoothing / 2.0
-    p, _ = bernoulli_terms(x, opts, 1.0, 0.0, grad=False)
-    q, _ = bernoulli_terms(x, opts, 0.0, 1.0, grad=False)
-    return ysoft * p + (1.0 - ysoft) * q
+    return ysoft * bernoulli_value(x, opts, 1.0, 0.0) + (1.0 - ysoft) * bernoulli_value(x, opts, 0.0, 1.0)
 
 
 def dense_bce(hidden, table, bias, targets, row_weights, opts: LossOptions, *, vocab_offset=0,

@@ -56,14 +56,14 @@ def correction(hidden, table, bias, ids, valid, opts: LossOptions):
       (correction [M] float32, differentiable; target logits [M, L] float32,
       gradient stopped, for the metrics). Costs O(M·L·D).
     """
-    from recloss.reference import bernoulli_terms  # reference imports this module
+    from recloss.reference import bernoulli_value  # reference imports this module
 
     rows = jnp.take(table, ids, axis=0)                    # [M, L, D]
     x = jnp.einsum("md,mld->ml", hidden, rows, preferred_element_type=jnp.float32)
     if bias is not None:
         x = x + jnp.take(bias, ids, axis=0).astype(jnp.float32)
     c = opts.correction
-    value, _ = bernoulli_terms(x, opts, c, -c, grad=False)
+    value = bernoulli_value(x, opts, c, -c)
     return jnp.sum(jnp.where(valid, value, 0.0), axis=-1), jax.lax.stop_gradient(x)
 
 

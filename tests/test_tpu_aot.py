@@ -70,7 +70,7 @@ def test_pallas_paper_shape_fits_one_chip(topo):
     assert ideal <= flops <= 1.01 * ideal
 
 
-@pytest.mark.parametrize("topo", ["v5e-8", "v6e-8", "v5p-8"])
+@pytest.mark.parametrize("topo", ["v5e-8", "v6e-8", pytest.param("v5p-8", marks=pytest.mark.slow)])
 def test_dense_bce_needs_the_logits(topo):
     try:
         compiled = topology.compile_loss_grad("dense_bce", topo, PAPER)

@@ -143,8 +143,8 @@ def _call(mode: str, t: tiling.Tiling, a, e, b, r, de_in, db_in, off, *, v_local
             bias = ref["b"][...].astype(jnp.float32) if has_bias else None
             live = None
             if mask_cols:
-                col = jg * bv + jax.lax.broadcasted_iota(jnp.int32, (1, bv), 1)
-                live = (col < v_local) & (col + off_ref[0] < vocab_size)
+                cols = jg * bv + jax.lax.broadcasted_iota(jnp.int32, (1, bv), 1)
+                live = (cols < v_local) & (cols + off_ref[0] < vocab_size)
             if grad:
                 acc = ref["de_acc"] if de_scratch else ref["de"]
                 acc[...] = (ref["de_in"][...] if accumulate else jnp.zeros(acc.shape, jnp.float32))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Optional
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -68,6 +69,15 @@ class LossOptions:
             _fail("reduction", self.reduction, f"one of {_REDUCTIONS}")
         if self.vocab_reduction not in _VOCAB_REDUCTIONS:
             _fail("vocab_reduction", self.vocab_reduction, f"one of {_VOCAB_REDUCTIONS}")
+        # numpy scalars (from configs, arrays) are accepted and stored as Python numbers.
+        for name in ("pad_id", "block_v", "block_n", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))
+        for name in ("label_smoothing", "pos_weight", "focal_gamma", "focal_alpha", "threshold"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
         if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int):
             _fail("pad_id", self.pad_id, "an int (typically -1)")
         _check_real("label_smoothing", self.label_smoothing, lambda v: 0.0 <= v < 1.0, "a float in [0, 1)")

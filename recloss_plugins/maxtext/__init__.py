@@ -1,0 +1,46 @@
+"""recloss in MaxText: config keys (``loss=cutbce_pallas`` ...) and the training loss.
+
+    from maxtext.configs import pyconfig
+    from maxtext.trainers.pre_train import train
+    from recloss_plugins import maxtext as rm
+
+    rm.install(train)                       # train.loss_fn -> recloss
+    config = pyconfig.initialize(["", "base.yml", "loss=cutbce", "num_vocab_tiling=2"],
+                                 config_class=rm.config_class())
+
+MaxText is imported lazily (only by `config_class`, `loss_fn` and `install`):
+importing this package does not need it. MaxText needs Python >= 3.12; the
+``maxtext`` extra of recloss installs it there.
+"""
+
+from recloss_plugins.maxtext.config import (
+    FIELDS,
+    OPTION_KEYS,
+    check_supported,
+    config_class,
+    layout_for,
+    loss_settings,
+)
+from recloss_plugins.maxtext.loss import (
+    install,
+    loss_fn,
+    loss_from_hidden,
+    output_table,
+    uninstall,
+    vocab_loss,
+)
+
+__all__ = [
+    "FIELDS",
+    "OPTION_KEYS",
+    "check_supported",
+    "config_class",
+    "install",
+    "layout_for",
+    "loss_fn",
+    "loss_from_hidden",
+    "loss_settings",
+    "output_table",
+    "uninstall",
+    "vocab_loss",
+]

@@ -1,0 +1,193 @@
+"""MaxText config keys for recloss: a MaxText config class that accepts ``loss=...`` and the loss options.
+
+MaxText's pydantic config (``maxtext.configs.types.MaxTextConfig``) forbids
+unknown keys, so ``loss=cutbce_pallas`` on its command line fails. The class
+from `config_class()` subclasses it with the keys below:
+
+    from maxtext.configs import pyconfig
+    from recloss_plugins.maxtext import config_class
+    config = pyconfig.initialize(["", "base.yml", "loss=cutbce_pallas", "num_vocab_tiling=2"],
+                                 config_class=config_class())
+
+Keys (the names of recloss's own trainer config, so one YAML vocabulary serves both):
+
+    loss                  recloss strategy, one of recloss.available_strategies()
+    loss_block_v          vocabulary block size, 0 = chosen by the strategy
+    loss_block_n          row block size, 0 = chosen by the strategy
+    vocab_reduction       'mean' (÷ V per position, Keras) or 'sum'
+    label_smoothing       ε in [0, 1)
+    pos_weight            weight of the positive term, > 0
+    focal_gamma           focal γ >= 0 (0 = plain BCE)
+    focal_alpha           focal α in [0, 1], or null
+    loss_threshold        logit threshold of the TP/FP/FN/TN metrics
+    loss_interpret        Pallas interpret mode: null = automatic (on off TPU)
+    loss_pad_id           target id that marks padding (-1: MaxText masks with targets_segmentation)
+    loss_batch_axes       mesh axes the tokens are split over for a shard_map'ed loss; [] = no shard_map
+    loss_fsdp_axis        mesh axis the table is additionally stored over (with loss_batch_axes), or null
+    loss_vocab_axis       mesh axis the vocabulary is split over (with loss_batch_axes), or null
+
+Checked at load time (a clear error before any work): the strategy name, every
+option's value, and the MaxText settings the recloss loss needs
+(``num_vocab_tiling > 1`` so the decoder hands back hidden states,
+``z_loss_multiplier = 0`` and no ``final_logits_soft_cap``: both act on
+softmax logits that this loss never builds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional, Tuple
+
+import recloss
+from recloss_plugins.flax.loss_fn import resolve_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One config key: its annotation name (for the pydantic field), default and description."""
+    type: str
+    default: Any
+    description: str
+
+
+# The annotation strings are resolved against `_annotations()` when the class is built.
+FIELDS = {
+    "loss": Key("str", "cutbce", "recloss strategy: one of recloss.available_strategies()."),
+    "loss_block_v": Key("NonNegativeInt", 0, "Vocabulary block size of the recloss loss; 0 = chosen by "
+                        "the strategy."),
+    "loss_block_n": Key("NonNegativeInt", 0, "Row block size of the recloss loss; 0 = chosen by the "
+                        "strategy."),
+    "vocab_reduction": Key("VocabReduction", "mean", "'mean' divides each token's loss by the vocabulary "
+                           "size (Keras convention), 'sum' does not."),
+    "label_smoothing": Key("float", 0.0, "Label smoothing ε in [0, 1) of the recloss BCE."),
+    "pos_weight": Key("float", 1.0, "Weight of the positive BCE term, > 0."),
+    "focal_gamma": Key("float", 0.0, "Focal γ >= 0 of the recloss BCE (0 = plain BCE)."),
+    "focal_alpha": Key("Optional[float]", None, "Focal α in [0, 1], or None for no α-balancing."),
+    "loss_threshold": Key("float", 0.0, "Logit threshold of the recloss TP/FP/FN/TN metrics."),
+    "loss_interpret": Key("Optional[bool]", None, "Run Pallas strategies in interpret mode; None = "
+                          "automatically when not on TPU."),
+    "loss_pad_id": Key("int", -1, "Target id that marks padding. MaxText already masks padding with "
+                       "targets_segmentation, so -1 (none) is right unless token ids need excluding."),
+    "loss_batch_axes": Key("list[str]", [], "Mesh axes the tokens are split over when the recloss loss "
+                           "runs under shard_map; [] = no shard_map (XLA partitions the blocked loss)."),
+    "loss_fsdp_axis": Key("Optional[str]", None, "With loss_batch_axes: mesh axis the item table is "
+                          "additionally stored over (must be one of loss_batch_axes), or None."),
+    "loss_vocab_axis": Key("Optional[str]", None, "With loss_batch_axes: mesh axis the vocabulary is "
+                           "split over, or None."),
+}
+
+# Config key -> recloss.LossOptions field (the rest are the strategy and the mesh layout).
+OPTION_KEYS = {
+    "loss_block_v": "block_v",
+    "loss_block_n": "block_n",
+    "vocab_reduction": "vocab_reduction",
+    "label_smoothing": "label_smoothing",
+    "pos_weight": "pos_weight",
+    "focal_gamma": "focal_gamma",
+    "focal_alpha": "focal_alpha",
+    "loss_threshold": "threshold",
+    "loss_interpret": "interpret",
+    "loss_pad_id": "pad_id",
+}
+
+
+def _get(config, key):
+    try:
+        return getattr(config, key)
+    except AttributeError:
+        return FIELDS[key].default
+
+
+def loss_settings(config) -> Tuple[str, recloss.LossOptions]:
+    """(strategy name, LossOptions) from a MaxText config (or any object with these attributes).
+
+    The loss is reduced with ``reduction='sum'`` (Σ w·ℓ over tokens): MaxText
+    divides by the token count itself (and skips the division under manual
+    gradient accumulation). Missing attributes take the defaults of `FIELDS`.
+    """
+    items = {"loss": _get(config, "loss")}
+    items.update({key: _get(config, key) for key in OPTION_KEYS})
+    name, options = resolve_config(items)
+    return name, options.replace(reduction="sum", compute_metrics=True)
+
+
+def layout_for(config, mesh) -> Optional[recloss.MeshLayout]:
+    """The `recloss.MeshLayout` the config asks for on ``mesh``, or None (``loss_batch_axes`` empty)."""
+    batch_axes = tuple(_get(config, "loss_batch_axes") or ())
+    fsdp, vocab = _get(config, "loss_fsdp_axis"), _get(config, "loss_vocab_axis")
+    if not batch_axes:
+        if fsdp is not None or vocab is not None:
+            raise ValueError(f"loss_fsdp_axis={fsdp!r} / loss_vocab_axis={vocab!r} need loss_batch_axes "
+                             "(the mesh axes the tokens are split over) to be set")
+        return None
+    return recloss.MeshLayout(mesh, batch_axes=batch_axes, fsdp_axis=fsdp, vocab_axis=vocab)
+
+
+def check_supported(config):
+    """Raises ValueError when ``config`` asks for something the recloss MaxText loss cannot do.
+
+    Checks the strategy and options (via `loss_settings`), and MaxText's
+    ``num_vocab_tiling`` (> 1, so the decoder returns hidden states instead of
+    logits), ``z_loss_multiplier`` (0) and ``final_logits_soft_cap`` (unset).
+    """
+    loss_settings(config)
+    tiles = getattr(config, "num_vocab_tiling", None)
+    if tiles is not None and tiles <= 1:
+        raise ValueError(f"num_vocab_tiling={tiles}: the recloss loss needs num_vocab_tiling > 1 so that "
+                         "MaxText's decoder returns hidden states instead of [batch, length, vocab] logits; "
+                         "any value > 1 that divides per_device_batch_size * max_target_length works "
+                         "(recloss walks the vocabulary in its own blocks, loss_block_v)")
+    z = getattr(config, "z_loss_multiplier", 0.0)
+    if z:
+        raise ValueError(f"z_loss_multiplier={z}: z-loss penalises the softmax normaliser, which the "
+                         "recloss BCE loss does not have; set z_loss_multiplier=0")
+    cap = getattr(config, "final_logits_soft_cap", None)
+    if cap:
+        raise ValueError(f"final_logits_soft_cap={cap}: a soft cap (tanh) on the logits is not supported "
+                         "by the recloss loss, which never builds the logits; unset it")
+    if (_get(config, "loss_fsdp_axis") is not None or _get(config, "loss_vocab_axis") is not None) and \
+            not _get(config, "loss_batch_axes"):
+        raise ValueError("loss_fsdp_axis / loss_vocab_axis need loss_batch_axes (the mesh axes the tokens "
+                         "are split over) to be set")
+
+
+def _annotations():
+    from typing import Literal
+
+    from pydantic.types import NonNegativeInt
+    return {"str": str, "int": int, "float": float, "NonNegativeInt": NonNegativeInt,
+            "VocabReduction": Literal["mean", "sum"], "Optional[float]": Optional[float],
+            "Optional[bool]": Optional[bool], "Optional[str]": Optional[str], "list[str]": list[str]}
+
+
+@functools.lru_cache(maxsize=None)
+def config_class(base: Optional[type] = None) -> type:
+    """A subclass of MaxText's config type (default ``maxtext.configs.types.MaxTextConfig``) with `FIELDS`.
+
+    Pass it as ``pyconfig.initialize(argv, config_class=config_class())``.
+    Validation (after MaxText's own) runs `check_supported`; its ValueError
+    surfaces as MaxText's config error naming the key.
+    """
+    import pydantic
+
+    if base is None:
+        from maxtext.configs import types as maxtext_types
+        base = maxtext_types.MaxTextConfig
+    if not (isinstance(base, type) and issubclass(base, pydantic.BaseModel)):
+        raise TypeError(f"base must be a pydantic model class (MaxText's MaxTextConfig), got {base!r}")
+    taken = sorted(set(FIELDS) & set(base.model_fields))
+    if taken:
+        raise ValueError(f"{base.__name__} already defines {taken}; recloss cannot add these keys to it")
+    kinds = _annotations()
+    fields = {name: (kinds[key.type], pydantic.Field(key.default, description=key.description))
+              for name, key in FIELDS.items()}
+
+    def _check_recloss(self):
+        check_supported(self)
+        return self
+
+    return pydantic.create_model(
+        f"Recloss{base.__name__}", __base__=base, __module__=__name__,
+        __validators__={"_check_recloss": pydantic.model_validator(mode="after")(_check_recloss)},
+        **fields)

@@ -1,0 +1,202 @@
+"""recloss as MaxText's training loss.
+
+MaxText (``maxtext.trainers.pre_train.train``) computes its loss in
+``loss_fn(model, config, data, dropout_rng, params, sparsity_state=None, is_train=True)``.
+With ``num_vocab_tiling > 1`` the decoder skips the [batch, length, vocab]
+logits, sows its final hidden states, and ``loss_fn`` hands them to
+``vocab_tiling_nnx_loss(model, hidden_states, data, config, is_train) ->
+(xent_sum, z_loss_sum)``. This module supplies:
+
+* `vocab_loss`: a drop-in for that hook computing ``Σ_tokens w·ℓ`` with the
+  configured recloss strategy (w = ``targets_segmentation != 0``, ℓ the
+  full-vocabulary BCE of `recloss.bce_loss`), from the hidden states after
+  MaxText's final norm and dropout, against the output table (the
+  ``logits_dense`` kernel transposed, or the token embedding when
+  ``logits_via_embedding``, scaled by D^-1/2 when ``normalize_embedding_logits``).
+* `loss_fn`: MaxText's ``loss_fn`` signature. It runs MaxText's own
+  ``loss_fn`` (so MoE, MTP and indexer auxiliary losses, gradient-accumulation
+  normalisation and the aux dict stay MaxText's) with `vocab_loss` in place of
+  the vocab-tiling hook, and adds ``aux['recloss_metrics']`` (tp, fp, fn, tn,
+  num_targets, invalid_targets, weight_sum).
+* `install()`: makes MaxText's trainer use `loss_fn`
+  (``train.loss_fn = loss_fn``); call it before ``train.main(argv)``.
+
+Targets: ``data['targets']`` [B, T] (one id per token, the language-model
+case) or [B, T, L] (L ids per token, multi-label); ``loss_pad_id`` marks
+padding inside the L ids.
+
+Verified against MaxText 0.2.5 (``loss_fn`` and ``vocab_tiling_nnx_loss``
+signatures, the NNX decoder's ``decoder_norm``/``dropout``/``logits_dense``
+and ``token_embedder.embedding``); MaxText needs Python >= 3.12.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+
+import recloss
+from recloss_plugins.maxtext import config as config_lib
+
+_TRAIN_MODULE = "maxtext.trainers.pre_train.train"
+_HOOK = "vocab_tiling_nnx_loss"
+_lock = threading.RLock()
+
+
+def _value(x):
+    """The array inside an nnx.Variable / linen LogicallyPartitioned box, else x."""
+    get_value = getattr(x, "get_value", None)
+    if callable(get_value) and not isinstance(x, jax.Array):
+        return get_value()
+    if hasattr(x, "unbox") and callable(x.unbox):
+        return x.unbox()
+    return x
+
+
+def output_table(model, config, features: int):
+    """(table [V, D], hidden scale) of a MaxText NNX Transformer's output projection.
+
+    Logits are ``(scale·y) · table[v]``: with ``logits_via_embedding`` the
+    table is the token embedding rounded to bfloat16 (as MaxText's
+    ``attend_on_embedding`` does) and scale is D^-1/2 when
+    ``normalize_embedding_logits``; otherwise the table is the ``logits_dense``
+    kernel [D, V] transposed (a V·D copy) and scale is 1.
+    """
+    if getattr(config, "logits_via_embedding", False):
+        table = _value(model.token_embedder.embedding)
+        table = table.astype(jnp.bfloat16).astype(table.dtype)
+        scale = features ** -0.5 if getattr(config, "normalize_embedding_logits", True) else 1.0
+        return table, scale
+    dense = model.decoder.logits_dense
+    kernel = _value(dense.kernel)
+    if kernel.ndim != 2 or kernel.shape[0] != features:
+        raise ValueError(f"logits_dense kernel has shape {tuple(kernel.shape)}; expected [D={features}, V]")
+    if getattr(dense, "bias", None) is not None:
+        raise ValueError("logits_dense has a bias, which the recloss MaxText loss does not read")
+    return kernel.T, 1.0
+
+
+def _targets_and_weights(data):
+    targets = data["targets"]
+    if targets.ndim == 2:
+        targets = targets[..., None]
+    if targets.ndim != 3:
+        raise ValueError(f"data['targets'] must be [batch, length] or [batch, length, L] ids, got shape "
+                         f"{tuple(targets.shape)}")
+    weights = (data["targets_segmentation"] != 0).astype(jnp.float32)
+    return targets, weights
+
+
+def loss_from_hidden(hidden, table, data, config, *, mesh=None):
+    """(Σ w·ℓ, metrics) of the configured recloss strategy.
+
+    hidden [B, T, D] (already normed and scaled), table [V, D];
+    ``data['targets']`` [B, T] or [B, T, L], ``data['targets_segmentation']``
+    [B, T] (0 = padding token, weight 0). ``mesh`` is needed only when the
+    config sets ``loss_batch_axes``.
+    """
+    name, options = config_lib.loss_settings(config)
+    layout = config_lib.layout_for(config, mesh) if mesh is not None else None
+    if layout is None and config_lib._get(config, "loss_batch_axes"):
+        raise ValueError("loss_batch_axes is set but no mesh was given to build the recloss.MeshLayout")
+    targets, weights = _targets_and_weights(data)
+    out = recloss.get_strategy(name, options)(hidden, table, targets, weights, layout=layout)
+    return out.loss, out.metrics
+
+
+def vocab_loss(model, hidden_states, data, config, is_train, *, metrics_out: Optional[Dict] = None):
+    """Drop-in for MaxText's ``vocab_tiling_nnx_loss``: (Σ_tokens w·ℓ, z-loss sum = 0).
+
+    Applies the decoder's final norm and dropout to ``hidden_states``
+    [B, T, D] (as MaxText's output head does), then the recloss loss against
+    `output_table`. Computes in float32 when ``logits_dot_in_fp32``, else in
+    ``config.dtype`` (recloss accumulates in float32 either way). The metrics
+    dict is stored into ``metrics_out`` when given.
+    """
+    config_lib.check_supported(config)
+    decoder = model.decoder
+    deterministic = not config.enable_dropout if is_train else True
+    y = decoder.decoder_norm(hidden_states)
+    y = decoder.dropout(y, deterministic=deterministic)
+    table, scale = output_table(model, config, y.shape[-1])
+    if scale != 1.0:
+        y = y * jnp.asarray(scale, y.dtype)
+    dtype = jnp.float32 if getattr(config, "logits_dot_in_fp32", False) else getattr(config, "dtype", None)
+    if dtype is not None:
+        y, table = y.astype(dtype), table.astype(dtype)
+    loss_sum, metrics = loss_from_hidden(y, table, data, config, mesh=getattr(model, "mesh", None))
+    if metrics_out is not None:
+        metrics_out.update(metrics)
+    return loss_sum, jnp.zeros((), jnp.float32)
+
+
+def _train_module():
+    import importlib
+    return importlib.import_module(_TRAIN_MODULE)
+
+
+def _maxtext_loss_fn(train):
+    """MaxText's own loss_fn, also after `install` replaced ``train.loss_fn``."""
+    return getattr(train, "_recloss_original_loss_fn", train.loss_fn)
+
+
+@contextlib.contextmanager
+def _hook(train, fn):
+    with _lock:
+        saved = getattr(train, _HOOK)
+        setattr(train, _HOOK, fn)
+        try:
+            yield
+        finally:
+            setattr(train, _HOOK, saved)
+
+
+def loss_fn(model, config, data, dropout_rng, params, sparsity_state=None, is_train=True):
+    """MaxText's ``loss_fn`` with the recloss loss: returns (loss, aux) as MaxText's does.
+
+    loss = Σ w·ℓ / (Σ w + EPS) plus MaxText's auxiliary losses (Σ w·ℓ alone
+    under manual gradient accumulation, as MaxText does); aux is MaxText's
+    dict, with ``xent_sum`` = Σ w·ℓ, ``z_loss`` = 0, and ``recloss_metrics``.
+    """
+    config_lib.check_supported(config)
+    train = _train_module()
+    metrics: Dict[str, Any] = {}
+
+    def hook(model_, hidden_states, data_, config_, is_train_):
+        return vocab_loss(model_, hidden_states, data_, config_, is_train_, metrics_out=metrics)
+
+    with _hook(train, hook):
+        loss, aux = _maxtext_loss_fn(train)(model, config, data, dropout_rng, params,
+                                            sparsity_state=sparsity_state, is_train=is_train)
+    if not metrics:
+        raise RuntimeError("MaxText's loss_fn did not call its vocab-tiling hook, so the recloss loss did "
+                           "not run; check num_vocab_tiling > 1 and that this MaxText version still calls "
+                           f"{_TRAIN_MODULE}.{_HOOK}")
+    aux = dict(aux)
+    aux["recloss_metrics"] = metrics
+    return loss, aux
+
+
+def install(train=None):
+    """Makes MaxText's pre-training loop use `loss_fn`; returns MaxText's original loss_fn.
+
+    Idempotent. ``train`` defaults to ``maxtext.trainers.pre_train.train``.
+    """
+    train = train if train is not None else _train_module()
+    if train.loss_fn is not loss_fn:
+        train._recloss_original_loss_fn = train.loss_fn
+        train.loss_fn = loss_fn
+    return train._recloss_original_loss_fn
+
+
+def uninstall(train=None):
+    """Undoes `install`."""
+    train = train if train is not None else _train_module()
+    original = getattr(train, "_recloss_original_loss_fn", None)
+    if original is not None:
+        train.loss_fn = original
+        del train._recloss_original_loss_fn

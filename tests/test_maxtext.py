@@ -1,0 +1,385 @@
+"""MaxText plugin: config keys, the vocab-tiling hook replacement, the loss_fn wrapper.
+
+Two groups:
+* without MaxText: the adapter on stand-ins with MaxText's attribute names
+  (config attributes, an NNX model with ``decoder.decoder_norm/dropout/
+  logits_dense`` and ``token_embedder.embedding``, a train module whose
+  ``loss_fn`` calls the module-global ``vocab_tiling_nnx_loss`` hook);
+* with MaxText installed (Python >= 3.12): ``pyconfig.initialize`` with
+  `config_class()`, and the loss and every parameter gradient of a tiny real
+  MaxText Transformer against BCE computed from MaxText's own logits.
+"""
+
+import math
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import recloss
+from recloss_plugins import maxtext as rm
+from recloss_plugins.maxtext import loss as rm_loss
+
+EPS = 1e-8
+
+
+def _config(**overrides):
+    base = {name: key.default for name, key in rm.FIELDS.items()}
+    base.update(enable_dropout=False, logits_via_embedding=False, normalize_embedding_logits=True,
+                logits_dot_in_fp32=False, dtype=jnp.float32, num_vocab_tiling=2, z_loss_multiplier=0.0,
+                final_logits_soft_cap=None)
+    base.update(overrides)
+    return types.SimpleNamespace(**base)
+
+
+def _dense_sum(x, targets, weights, opts: recloss.LossOptions, v):
+    """Σ_tokens w·ℓ from logits x [B, T, V] (float64), targets [B, T] or [B, T, L]."""
+    x = np.asarray(x, np.float64)
+    t = np.asarray(targets)
+    t = t[..., None] if t.ndim == 2 else t
+    y = np.zeros(x.shape)
+    for idx in np.ndindex(t.shape[:-1]):
+        ids = [i for i in t[idx] if 0 <= i < v and i != opts.pad_id]
+        y[idx + (ids,)] = 1.0
+    eps = opts.label_smoothing
+    y = y * (1 - eps) + eps / 2
+    ell = y * opts.pos_weight * np.logaddexp(0, -x) + (1 - y) * np.logaddexp(0, x)
+    ell = ell.sum(-1) / (v if opts.vocab_reduction == "mean" else 1)
+    return float((ell * np.asarray(weights, np.float64)).sum())
+
+
+# ------------------------------------------------------------------ config keys (no MaxText)
+def test_loss_settings_map_config_keys():
+    cfg = _config(loss="dense_bce", loss_block_v=0, loss_block_n=64, vocab_reduction="sum",
+                  label_smoothing=0.1, pos_weight=2.0, focal_gamma=1.0, focal_alpha=0.25, loss_threshold=0.5,
+                  loss_interpret=True, loss_pad_id=0)
+    name, opts = rm.loss_settings(cfg)
+    assert name == "dense_bce"
+    assert opts == recloss.LossOptions(reduction="sum", vocab_reduction="sum", block_v=None, block_n=64,
+                                       label_smoothing=0.1, pos_weight=2.0, focal_gamma=1.0, focal_alpha=0.25,
+                                       threshold=0.5, interpret=True, pad_id=0, compute_metrics=True)
+    # Every option key maps to a LossOptions field; every FIELDS key is an option, the strategy or a mesh role.
+    assert set(rm.OPTION_KEYS.values()) <= set(recloss.LossOptions.field_names())
+    assert set(rm.FIELDS) == set(rm.OPTION_KEYS) | {"loss", "loss_batch_axes", "loss_fsdp_axis",
+                                                     "loss_vocab_axis"}
+    # Attributes a config lacks take the FIELDS defaults.
+    assert rm.loss_settings(types.SimpleNamespace(loss="cutbce"))[1] == recloss.LossOptions(reduction="sum")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(loss="cutbse"), r"'loss'='cutbse' is not a recloss strategy.*did you mean 'cutbce'"),
+    (dict(label_smoothing=1.5), r"label_smoothing=1.5"),
+    (dict(loss_block_v=-8), r"block_v=-8"),
+    (dict(num_vocab_tiling=1), r"num_vocab_tiling=1: .*needs num_vocab_tiling > 1"),
+    (dict(z_loss_multiplier=1e-4), r"z_loss_multiplier=0.0001"),
+    (dict(final_logits_soft_cap=30.0), r"final_logits_soft_cap=30.0"),
+    (dict(loss_vocab_axis="tensor"), r"need loss_batch_axes"),
+])
+def test_check_supported_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        rm.check_supported(_config(**overrides))
+
+
+def test_check_supported_accepts_defaults():
+    rm.check_supported(_config())
+    rm.check_supported(_config(loss="cutbce_pallas", final_logits_soft_cap=0.0, loss_batch_axes=["data"],
+                               loss_vocab_axis="tensor"))
+
+
+def test_config_class_on_a_pydantic_base():
+    pydantic = pytest.importorskip("pydantic", reason="pydantic is not installed (MaxText's config needs it)")
+
+    class Base(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        vocab_size: int = 32
+        num_vocab_tiling: int = 1
+        z_loss_multiplier: float = 0.0
+
+    cls = rm.config_class(Base)
+    assert rm.config_class(Base) is cls  # cached
+    cfg = cls(num_vocab_tiling=2, loss="cutbce_pallas", loss_block_v=256, label_smoothing=0.1)
+    assert (cfg.loss, cfg.loss_block_v, cfg.label_smoothing, cfg.loss_batch_axes) == \
+        ("cutbce_pallas", 256, 0.1, [])
+    assert rm.loss_settings(cfg) == ("cutbce_pallas", recloss.LossOptions(reduction="sum", block_v=256,
+                                                                          label_smoothing=0.1))
+    for bad, match in ((dict(loss="nope"), "not a recloss strategy"), (dict(num_vocab_tiling=1), "num_vocab"),
+                       (dict(vocab_reduction="max"), "vocab_reduction"),
+                       (dict(loss_block_v=-1), "loss_block_v"), (dict(loss_blok_v=1), "loss_blok_v")):
+        with pytest.raises(pydantic.ValidationError, match=match):
+            cls(**{"num_vocab_tiling": 2, **bad})
+
+    class Taken(Base):
+        label_smoothing: float = 0.0
+
+    with pytest.raises(ValueError, match=r"already defines \['label_smoothing'\]"):
+        rm.config_class(Taken)
+    with pytest.raises(TypeError, match="pydantic model class"):
+        rm.config_class(dict)
+
+
+# ------------------------------------------------------------------ a stand-in MaxText model (no MaxText)
+class _Dense(nnx.Module):
+    def __init__(self, d, v, rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d, v)) / math.sqrt(d))
+
+
+class _Decoder(nnx.Module):
+    def __init__(self, d, v, rngs):
+        self.decoder_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.decoder_norm.scale[...] = jax.random.uniform(rngs.params(), (d,), minval=0.5, maxval=1.5)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)  # off: enable_dropout=False in the test configs
+        self.logits_dense = _Dense(d, v, rngs)
+
+
+class _Embed(nnx.Module):
+    def __init__(self, v, d, rngs):
+        self.embedding = nnx.Param(jax.random.normal(rngs.params(), (v, d)))
+
+
+class _Model(nnx.Module):
+    """MaxText's attribute layout: token_embedder.embedding, decoder.{decoder_norm, dropout, logits_dense}."""
+
+    def __init__(self, v, d, rngs, mesh=None):
+        self.token_embedder = _Embed(v, d, rngs)
+        self.decoder = _Decoder(d, v, rngs)
+        self.mesh = mesh
+
+    def logits(self, hidden, config):
+        y = self.decoder.decoder_norm(hidden)
+        if config.logits_via_embedding:
+            table = self.token_embedder.embedding[...].astype(jnp.bfloat16).astype(jnp.float32)
+            x = y @ table.T
+            return x / math.sqrt(y.shape[-1]) if config.normalize_embedding_logits else x
+        return y @ self.decoder.logits_dense.kernel[...]
+
+
+def _batch(rng, b=2, t=6, v=40, num_labels=None):
+    shape = (b, t) if num_labels is None else (b, t, num_labels)
+    return {"targets": jnp.asarray(rng.integers(0, v, shape), jnp.int32),
+            "targets_segmentation": jnp.asarray(rng.random((b, t)) < 0.75, jnp.int32)}
+
+
+@pytest.mark.parametrize("tied,num_labels,overrides", [
+    (False, None, dict(loss="cutbce", loss_block_v=16, label_smoothing=0.1)),
+    (True, None, dict(loss="dense_bce", pos_weight=2.0)),
+    (True, 3, dict(loss="cutbce", vocab_reduction="sum", normalize_embedding_logits=False)),
+])
+def test_vocab_loss_matches_dense_bce_of_the_output_head(rng, tied, num_labels, overrides):
+    v, d = 40, 8
+    cfg = _config(logits_via_embedding=tied, **overrides)
+    model = _Model(v, d, nnx.Rngs(int(rng.integers(1 << 30))))
+    hidden = jnp.asarray(rng.standard_normal((2, 6, d)), jnp.float32)
+    data = _batch(rng, v=v, num_labels=num_labels)
+    weights = np.asarray(data["targets_segmentation"] != 0, np.float64)
+    _, opts = rm.loss_settings(cfg)
+    metrics = {}
+    xent_sum, z = rm.vocab_loss(model, hidden, data, cfg, True, metrics_out=metrics)
+    want = _dense_sum(model.logits(hidden, cfg), data["targets"], weights, opts, v)
+    np.testing.assert_allclose(float(xent_sum), want, rtol=2e-6)
+    assert float(z) == 0.0
+    assert float(metrics["weight_sum"]) == weights.sum()
+    assert float(metrics["num_targets"]) > 0
+
+    def ours(m, h):
+        return rm.vocab_loss(m, h, data, cfg, True)[0]
+
+    def dense(m, h):
+        x = m.logits(h, cfg)
+        t = data["targets"] if num_labels else data["targets"][..., None]
+        y = jnp.zeros(x.shape).at[jnp.arange(2)[:, None, None], jnp.arange(6)[None, :, None], t].set(1.0)
+        y = y * (1 - opts.label_smoothing) + opts.label_smoothing / 2
+        ell = (y * opts.pos_weight * jax.nn.softplus(-x) + (1 - y) * jax.nn.softplus(x)).sum(-1)
+        ell = ell / (v if opts.vocab_reduction == "mean" else 1)
+        return (ell * data["targets_segmentation"]).sum()
+
+    g_ours = nnx.jit(nnx.grad(ours, argnums=(0, 1)))(model, hidden)
+    g_dense = nnx.jit(nnx.grad(dense, argnums=(0, 1)))(model, hidden)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+                 nnx.state(g_ours[0], nnx.Param), nnx.state(g_dense[0], nnx.Param))
+    np.testing.assert_allclose(g_ours[1], g_dense[1], rtol=2e-5, atol=1e-6)
+    used = g_ours[0].token_embedder.embedding[...] if tied else g_ours[0].decoder.logits_dense.kernel[...]
+    assert float(jnp.abs(used).sum()) > 0
+
+
+def test_loss_from_hidden_with_mesh_layout(rng):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    cfg = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor")
+    layout = rm.layout_for(cfg, mesh)
+    assert (layout.batch_axes, layout.fsdp_axis, layout.vocab_axis) == (("data", "fsdp"), "fsdp", "tensor")
+    assert rm.layout_for(_config(), mesh) is None
+    hidden = jnp.asarray(rng.standard_normal((4, 2, 8)), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((64, 8)), jnp.float32)
+    data = _batch(rng, b=4, t=2, v=64)
+    program = str(jax.make_jaxpr(lambda h: rm.loss_from_hidden(h, table, data, cfg, mesh=mesh)[0])(hidden))
+    assert "shard_map" in program
+    got = jax.jit(lambda h: rm.loss_from_hidden(h, table, data, cfg, mesh=mesh)[0])(hidden)
+    want = rm.loss_from_hidden(hidden, table, data, _config())[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    with pytest.raises(ValueError, match="no mesh was given"):
+        rm.loss_from_hidden(hidden, table, data, cfg)
+
+
+# ------------------------------------------------------------------ loss_fn wrapper, install (no MaxText)
+def _fake_train_module(call_hook=True):
+    """A module shaped like maxtext.trainers.pre_train.train: loss_fn looks the hook up as a global."""
+    mod = types.ModuleType("fake_maxtext_train")
+
+    def vocab_tiling_nnx_loss(model, hidden_states, data, config, is_train):
+        raise AssertionError("MaxText's own vocab tiling ran instead of recloss")
+
+    def loss_fn(model, config, data, dropout_rng, params, sparsity_state=None, is_train=True):
+        hidden = model.token_embedder.embedding[...][data["inputs"]]
+        weights = jnp.sum(data["targets_segmentation"] != 0)
+        if call_hook:
+            xent_sum, z = mod.vocab_tiling_nnx_loss(model, hidden, data, config, is_train)
+        else:
+            xent_sum, z = jnp.float32(0.0), jnp.float32(0.0)
+        return xent_sum / (weights + EPS), {"xent_sum": xent_sum, "z_loss": z, "total_weights": weights}
+
+    mod.vocab_tiling_nnx_loss = vocab_tiling_nnx_loss
+    mod.loss_fn = loss_fn
+    return mod
+
+
+def test_loss_fn_runs_maxtext_loss_with_the_recloss_hook(rng, monkeypatch):
+    train = _fake_train_module()
+    original_hook, original_loss_fn = train.vocab_tiling_nnx_loss, train.loss_fn
+    monkeypatch.setattr(rm_loss, "_train_module", lambda: train)
+    v, d = 40, 8
+    cfg = _config(loss="cutbce", loss_block_v=8)
+    model = _Model(v, d, nnx.Rngs(int(rng.integers(1 << 30))))
+    data = {"inputs": jnp.asarray(rng.integers(0, v, (2, 6)), jnp.int32), **_batch(rng, v=v)}
+    loss, aux = rm.loss_fn(model, cfg, dict(data), None, None, is_train=True)
+    hidden = model.token_embedder.embedding[...][data["inputs"]]
+    want_sum = float(rm.vocab_loss(model, hidden, data, cfg, True)[0])
+    np.testing.assert_allclose(float(aux["xent_sum"]), want_sum, rtol=1e-6)
+    np.testing.assert_allclose(float(loss), want_sum / (float(aux["total_weights"]) + EPS), rtol=1e-6)
+    assert set(aux["recloss_metrics"]) >= {"tp", "fp", "fn", "tn", "num_targets", "weight_sum"}
+    assert train.vocab_tiling_nnx_loss is original_hook  # restored after the call
+    # Differentiable end to end (as MaxText's train_step takes nnx.value_and_grad of it).
+    grads = nnx.grad(lambda m: rm.loss_fn(m, cfg, dict(data), None, None)[0])(model)
+    assert float(jnp.abs(grads.decoder.logits_dense.kernel[...]).sum()) > 0
+
+    assert rm.install(train) is original_loss_fn and train.loss_fn is rm.loss_fn
+    assert rm.install(train) is original_loss_fn  # idempotent
+    loss2, _ = train.loss_fn(model, cfg, dict(data), None, None)  # no recursion into itself
+    np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-6)
+    rm.uninstall(train)
+    assert train.loss_fn is original_loss_fn and not hasattr(train, "_recloss_original_loss_fn")
+
+    with pytest.raises(ValueError, match="num_vocab_tiling=1"):
+        rm.loss_fn(model, _config(num_vocab_tiling=1), dict(data), None, None)
+
+
+def test_loss_fn_fails_loudly_when_the_hook_is_not_called(rng, monkeypatch):
+    monkeypatch.setattr(rm_loss, "_train_module", lambda: _fake_train_module(call_hook=False))
+    model = _Model(40, 8, nnx.Rngs(0))
+    data = {"inputs": jnp.zeros((2, 6), jnp.int32), **_batch(rng)}
+    with pytest.raises(RuntimeError, match="did not call its vocab-tiling hook"):
+        rm.loss_fn(model, _config(), data, None, None)
+
+
+def test_targets_shape_error(rng):
+    model = _Model(40, 8, nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"data\['targets'\] must be"):
+        rm.vocab_loss(model, jnp.ones((2, 6, 8)), {"targets": jnp.zeros((2,), jnp.int32),
+                                                   "targets_segmentation": jnp.ones((2, 6))}, _config(), True)
+
+
+# ------------------------------------------------------------------ real MaxText (Python >= 3.12)
+@pytest.fixture(scope="module")
+def maxtext():
+    reason = ("MaxText is not installed (it needs Python >= 3.12: pip install 'recloss[maxtext]'); "
+              "its adapter is tested above on stand-ins")
+    pyconfig = pytest.importorskip("maxtext.configs.pyconfig", reason=reason)
+    from maxtext.utils import model_creation_utils
+    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
+    return types.SimpleNamespace(pyconfig=pyconfig, create=model_creation_utils.from_config,
+                                 base_yml=os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml"))
+
+
+TINY = ["run_name=recloss_test", "enable_checkpointing=false", "base_emb_dim=16", "base_num_query_heads=2",
+        "base_num_kv_heads=2", "head_dim=8", "base_mlp_dim=32", "base_num_decoder_layers=1", "vocab_size=64",
+        "max_target_length=8", "per_device_batch_size=1", "dtype=float32", "attention=dot_product",
+        "log_config=false", "skip_jax_distributed_system=true"]
+
+
+def _initialize(maxtext, *overrides):
+    return maxtext.pyconfig.initialize(["", maxtext.base_yml, *TINY, *overrides],
+                                       config_class=rm.config_class())
+
+
+def test_maxtext_pyconfig_accepts_recloss_keys(maxtext):
+    cfg = _initialize(maxtext, "num_vocab_tiling=2", "loss=cutbce_pallas", "loss_block_v=512",
+                      "label_smoothing=0.05", "focal_alpha=0.25", "loss_batch_axes=[data,fsdp]")
+    assert (cfg.loss, cfg.loss_block_v, cfg.label_smoothing, cfg.focal_alpha, list(cfg.loss_batch_axes)) == \
+        ("cutbce_pallas", 512, 0.05, 0.25, ["data", "fsdp"])
+    assert rm.loss_settings(cfg)[1] == recloss.LossOptions(reduction="sum", block_v=512, label_smoothing=0.05,
+                                                           focal_alpha=0.25)
+    for bad, match in (("loss=cutbse", "not a recloss strategy"), ("loss_blok_v=8", "loss_blok_v"),
+                       ("label_smoothing=1.5", "label_smoothing")):
+        with pytest.raises(Exception, match=match):
+            _initialize(maxtext, "num_vocab_tiling=2", bad)
+    with pytest.raises(Exception, match="num_vocab_tiling"):
+        _initialize(maxtext, "loss=cutbce")  # base.yml has num_vocab_tiling=1
+    with pytest.raises(Exception, match="loss"):
+        maxtext.pyconfig.initialize(["", maxtext.base_yml, *TINY, "loss=cutbce"])  # MaxText's own class
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ("loss=cutbce", "label_smoothing=0.1", "loss_block_v=16"),
+    ("loss=dense_bce", "logits_via_embedding=true", "pos_weight=2.0"),
+])
+def test_maxtext_loss_and_grads_match_bce_of_maxtext_logits(maxtext, rng, overrides):
+    cfg = _initialize(maxtext, "num_vocab_tiling=2", *overrides)
+    model = maxtext.create(cfg, rngs=nnx.Rngs(params=int(rng.integers(1 << 30)), dropout=1))
+    b, t, v = cfg.global_batch_size_to_train_on, cfg.max_target_length, cfg.vocab_size
+    data = {"inputs": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
+            "inputs_position": jnp.asarray(np.broadcast_to(np.arange(t), (b, t)), jnp.int32),
+            "inputs_segmentation": jnp.ones((b, t), jnp.int32),
+            "targets": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
+            "targets_segmentation": jnp.asarray(rng.random((b, t)) < 0.8, jnp.int32)}
+    _, opts = rm.loss_settings(cfg)
+
+    def ours(m):
+        return rm.loss_fn(m, cfg, dict(data), None, None, is_train=True)[0]
+
+    def reference(m):  # MaxText's own logits (its output head), then dense BCE.
+        m(decoder_input_tokens=data["inputs"], decoder_positions=data["inputs_position"],
+          decoder_segment_ids=data["inputs_segmentation"], enable_dropout=False,
+          decoder_target_tokens=data["targets"], decoder_target_mask=data["targets_segmentation"])
+        hidden = nnx.pop(m, nnx.Intermediate).to_pure_dict()["decoder"]["hidden_states"][0]
+        x = m.logits_from_hidden_states_for_vocab_tiling(hidden, True, "train").astype(jnp.float32)
+        y = jax.nn.one_hot(data["targets"], v) * (1 - opts.label_smoothing) + opts.label_smoothing / 2
+        ell = (y * opts.pos_weight * jax.nn.softplus(-x) + (1 - y) * jax.nn.softplus(x)).sum(-1) / v
+        w = (data["targets_segmentation"] != 0).astype(jnp.float32)
+        return (ell * w).sum() / (w.sum() + EPS)
+
+    loss, grads = nnx.jit(nnx.value_and_grad(ours))(model)
+    want, want_grads = nnx.jit(nnx.value_and_grad(reference))(model)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    got_leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    want_leaves = jax.tree.leaves(nnx.state(want_grads, nnx.Param))
+    assert len(got_leaves) == len(want_leaves) > 0
+    for g, w in zip(got_leaves, want_leaves):
+        scale = float(jnp.max(jnp.abs(w)))
+        assert scale > 0
+        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=1e-5)
+
+
+def test_maxtext_install_replaces_train_loss_fn(maxtext):
+    train = pytest.importorskip("maxtext.trainers.pre_train.train")
+    original = train.loss_fn
+    try:
+        assert rm.install() is original and train.loss_fn is rm.loss_fn
+    finally:
+        rm.uninstall()
+    assert train.loss_fn is original
+    assert "vocab_tiling_nnx_loss" in vars(train)  # the hook recloss swaps in is still where it was
+

@@ -2,6 +2,7 @@
 detection, the batch search of the AOT report, and (slow) TPU ahead-of-time compilation."""
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -62,25 +63,33 @@ def test_multihost_detection_is_env_driven():
     assert not parallel.multihost_requested({})
     assert not parallel.multihost_requested({"TPU_WORKER_HOSTNAMES": "localhost"})
     assert parallel.multihost_requested({"TPU_WORKER_HOSTNAMES": "h0,h1"})
+    assert not parallel.multihost_requested(
+        {"TPU_WORKER_HOSTNAMES": "WARNING: could not determine TPU worker hostnames, please set it"})
     assert parallel.multihost_requested({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
     assert parallel.multihost_requested({"SLURM_NTASKS": "4"})
     assert not parallel.multihost_requested({"SLURM_NTASKS": "1", "OMPI_COMM_WORLD_SIZE": "1"})
     assert not parallel.maybe_initialize_distributed({})
 
 
-@pytest.mark.parametrize("limit_fit, unit, start", [(100, 8, 64), (7, 8, 64), (64, 8, 64), (1000, 16, 16),
-                                                    (8, 8, 64), (250, 4, 4)])
-def test_largest_fitting_batch(limit_fit, unit, start):
+@pytest.mark.parametrize("slope, fixed, budget, unit, start", [
+    (1.0, 0.0, 100, 8, 64), (1.0, 0.0, 7, 8, 64), (1.0, 0.0, 64, 8, 64), (3.0, 50.0, 3000, 16, 16),
+    (1.0, 0.0, 8, 8, 64), (0.5, 2.0, 127, 4, 4), (1.0, 0.0, 10**9, 8, 64)])
+def test_largest_fitting_batch(slope, fixed, budget, unit, start, rng):
+    wiggle = rng.uniform(0, 0.3, size=100000)     # memory: affine plus a small increasing wobble
+    wiggle = np.cumsum(wiggle) / 1000
     calls = []
 
-    def fits(b):
+    def measure(b):
         calls.append(b)
         assert b % unit == 0 and b > 0
-        return b <= limit_fit
+        return fixed + slope * b + wiggle[b]
 
-    best = aot.largest_fitting_batch(fits, unit, start)
-    assert best == limit_fit // unit * unit
-    assert len(calls) < 20
+    best = aot.largest_fitting_batch(measure, budget, unit, start, limit=4096)
+    fits = [b for b in range(unit, 4097, unit) if measure(b) <= budget]
+    calls.clear()
+    best = aot.largest_fitting_batch(measure, budget, unit, start, limit=4096)
+    assert best == (max(fits) if fits else 0)
+    assert len(calls) <= 16
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ def _params(result):
 
 def test_end_to_end_writes_every_artifact(tmp_path, capsys):
     rc = main([str(default_config_path()), *TINY, f"base_output_directory={tmp_path}", "run_name=e2e",
-               "steps=6", "checkpoint_period=4"])
+               "steps=6", "checkpoint_period=4", "eval_interval=2", "eval_max_users=16"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "config:" in out and "per-device memory" in out and "step 6/6 | loss" in out
@@ -48,6 +48,10 @@ def test_end_to_end_writes_every_artifact(tmp_path, capsys):
     assert [r["step"] for r in train_rows] == [2, 4, 6]
     assert all(np.isfinite(r["loss"]) and 0 <= r["recall"] <= 1 for r in train_rows)
     assert {r["split"] for r in rows} >= {"dev", "test", "dev_popularity", "test_popularity"}
+    dev_rows = [r for r in rows if r["split"] == "dev"]
+    assert [r["step"] for r in dev_rows] == [2, 4, 6]
+    assert [r["users"] for r in dev_rows] == [16, 16, 48]      # periodic evals use eval_max_users
+    assert "step 2 dev: hit@8" in out
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     ckpt = Checkpoints(run / "checkpoints", 0)
     assert ckpt.manager.all_steps() == [4, 6]
@@ -114,6 +118,16 @@ def test_resume_refuses_a_different_model(tmp_path):
     from recloss_plugins.config import ConfigError
     with pytest.raises(ConfigError, match="new run_name"):
         train(_cfg(tmp_path, "steps=4", "emb_dim=32", "run_name=m"), devices=_one_device(), log=lambda *a: None)
+
+
+def test_bfloat16_untied_run_learns(tmp_path):
+    r = train(_cfg(tmp_path, "steps=8", "dtype=bfloat16", "untie_embeddings=true", "dropout=0",
+                   "enable_checkpointing=false", "log_period=1", "learning_rate=1e-2", "run_name=bf16"),
+              devices=_one_device(), log=lambda *a: None)
+    assert "out_table" in r.state["params"]
+    losses = [r.losses[s] for s in range(8)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert r.state["params"]["out_table"].dtype == np.float32
 
 
 @pytest.mark.slow

@@ -36,11 +36,21 @@ def compile_step(cfg, devices, vocab: int, batch_size: Optional[int] = None):
     return compiled, memory_report(compiled), program
 
 
-def largest_fitting_batch(fits: Callable[[int], bool], unit: int, start: int, limit: int = 1 << 16) -> int:
-    """Largest multiple of ``unit`` b <= ``limit`` with fits(b), assuming fits is monotone.
+def largest_fitting_batch(measure: Callable[[int], float], budget: float, unit: int, start: int,
+                          limit: int = 1 << 16) -> int:
+    """Largest multiple of ``unit`` b <= ``limit`` with measure(b) <= budget (measure increasing in b).
 
-    Doubles from ``start`` while batches fit, then bisects between the last
-    fitting and the first failing size. Returns 0 when not even ``unit`` fits."""
+    Doubles from ``start`` while batches fit, then narrows the bracket
+    [last fit, first miss]: first by secant steps (per-chip memory is close to
+    affine in the batch, so a guess and its neighbour usually settle it), then
+    by bisection. Returns 0 when not even ``unit`` fits."""
+    seen: Dict[int, float] = {}
+
+    def fits(b):
+        if b not in seen:
+            seen[b] = measure(b)
+        return seen[b] <= budget
+
     b = max(unit, start // unit * unit)
     lo, hi = 0, b
     if fits(b):
@@ -52,10 +62,19 @@ def largest_fitting_batch(fits: Callable[[int], bool], unit: int, start: int, li
                 lo *= 2
             else:
                 hi = lo * 2
+    secant_tries = 3
     while hi - lo > unit:
-        mid = max((lo + hi) // 2 // unit * unit, lo + unit)
+        if secant_tries > 0:
+            secant_tries -= 1
+            m_lo = seen[lo] if lo else 0.0
+            guess = lo + (budget - m_lo) * (hi - lo) / max(seen[hi] - m_lo, 1e-9)
+        else:
+            guess = (lo + hi) / 2
+        mid = min(max(int(guess) // unit * unit, lo + unit), hi - unit)
         if fits(mid):
             lo = mid
+            if secant_tries >= 0 and mid + unit < hi and not fits(mid + unit):
+                hi = mid + unit
         else:
             hi = mid
     return lo
@@ -79,15 +98,16 @@ def compile_report(cfg, log=print) -> Dict[str, object]:
         budget = cfg.compile_fit_hbm_gib * 2**30
         seen = {}
 
-        def fits(b):
+        def measure(b):
             _, r, _ = compile_step(cfg, devices, vocab, batch_size=b)
             seen[b] = r["total"] / 2**30
-            log(f"  global batch {b}: {seen[b]:.2f} GiB per chip -> {'fits' if r['total'] <= budget else 'too big'}")
-            return r["total"] <= budget
+            log(f"  global batch {b}: {seen[b]:.2f} GiB per chip -> "
+                f"{'fits' if r['total'] <= budget else 'too big'}")
+            return r["total"]
 
         unit = program.layout.batch_shards
-        best = largest_fitting_batch(fits, unit, program.batch_size)
+        best = largest_fitting_batch(measure, budget, unit, program.batch_size)
         log(f"largest global batch fitting {cfg.compile_fit_hbm_gib:g} GiB per chip: {best} "
-            f"(multiples of {unit})")
+            f"(multiples of {unit}; {len(seen)} compiles)")
         out.update(largest_batch=best, searched=seen)
     return out

@@ -42,7 +42,8 @@ def multihost_requested(env=None) -> bool:
     env = os.environ if env is None else env
     if any(env.get(k) for k in _MULTIHOST_ENV):
         return True
-    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]) > 1:
+    hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",")]
+    if sum(bool(re.fullmatch(r"[\w.\-:]+", h)) for h in hosts) > 1:
         return True
     for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         try:

@@ -23,6 +23,7 @@ from typing import Dict, Optional
 import jax
 import numpy as np
 
+from recloss import metrics as metrics_lib
 from recloss_plugins.config import ConfigError, dump_config, load_config
 from recloss_plugins.sasrec import data as data_lib
 from recloss_plugins.sasrec import eval as eval_lib
@@ -241,8 +242,8 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
         steps_n = done - window["step"]
         agg = {k: sum(m[k] for _, m in rows) for k in ("tp", "fp", "fn", "weight_sum") if k in rows[0][1]}
         loss = float(np.mean([m["loss"] for _, m in rows]))
-        prec = agg["tp"] / max(agg["tp"] + agg["fp"], 1e-12) if "tp" in agg else float("nan")
-        rec = agg["tp"] / max(agg["tp"] + agg["fn"], 1e-12) if "tp" in agg else float("nan")
+        prec, rec = ((float(x) for x in metrics_lib.precision_recall(agg)) if "tp" in agg
+                     else (float("nan"), float("nan")))
         sps = steps_n / dt
         ips = agg.get("weight_sum", 0.0) / dt
         eta = (cfg.steps - done) / sps if sps > 0 else float("inf")

@@ -27,9 +27,11 @@ import jax.numpy as jnp
 from recloss.options import LossOptions
 from recloss.reference import bernoulli_terms
 
-# Bytes of one float32 logit tile (block_n × block_v) the XLA path aims for.
-_TILE_BYTES = 8 << 20
-_MAX_ROWS = 16384
+# Default vocab block (a divisor of V_local within a factor 2 below it when one exists).
+_BLOCK_V = 1024
+# Bytes of one float32 logit tile (block_n × block_v): small enough that the
+# elementwise passes XLA:CPU materialises between the matmuls stay in cache.
+_TILE_BYTES = 2 << 20
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -41,25 +43,30 @@ class Plan(NamedTuple):
     opts: LossOptions
     vocab_size: int       # real V (global); columns at or past it are inert
     block_v: int
-    block_n: int
+    block_n: int          # rows per logit tile: each vocab block is walked in row tiles
     mask: bool            # whether columns need masking (padding, vocab_size, traced offset)
 
 
 def plan(m: int, v_local: int, opts: LossOptions, *, vocab_size: int, static_offset: Optional[int]) -> Plan:
     """Chooses block sizes for M rows and a V_local-row table (explicit options win).
 
-    The default block_v is a power of two sized to ``_TILE_BYTES`` of logits, or a
-    divisor of V_local within a factor 2 below it: then the table is walked in
-    place and the emitted dE blocks already form [V_local, D], with no copy.
+    The default block_v is ``_BLOCK_V`` or a divisor of V_local within a factor 2
+    below it: then the emitted dE blocks already form [V_local, D], with no copy.
+    Each vocab block is walked in row tiles of block_n so one logit tile is
+    ~``_TILE_BYTES``: XLA:CPU materialises the elementwise passes between the
+    matmuls, and at this size they stay in cache.
     """
-    block_n = max(1, min(opts.block_n or min(m, _MAX_ROWS), m))
     if opts.block_v:
         block_v = opts.block_v
     else:
-        target = max(128, min(8192, _TILE_BYTES // (4 * block_n)))
-        target = 1 << (target.bit_length() - 1)
-        block_v = next((c for c in range(target, target // 2, -1) if v_local % c == 0), target)
+        block_v = next((c for c in range(_BLOCK_V, _BLOCK_V // 2, -1) if v_local % c == 0), _BLOCK_V)
     block_v = max(1, min(block_v, v_local))
+    if opts.block_n:
+        block_n = opts.block_n
+    else:
+        block_n = max(8, _TILE_BYTES // (4 * block_v))
+        block_n = 1 << (block_n.bit_length() - 1)
+    block_n = max(1, min(block_n, m))
     mask = static_offset is None or static_offset + v_local > vocab_size
     return Plan(opts, vocab_size, block_v, block_n, mask)
 
@@ -81,34 +88,69 @@ def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: boo
     cdt = jnp.promote_types(a.dtype, e.dtype)
     cp, cq = opts.background_p, opts.background_q
     count = want_loss and opts.compute_metrics
+    bn = p.block_n
+    mp = _cdiv(m, bn) * bn
+    if mp != m:   # padded rows: zero hidden, zero scale; their sums are dropped
+        a = jnp.pad(a, ((0, mp - m), (0, 0)))
+        r = jnp.pad(r, (0, mp - m))
 
-    def block(carry, e_j, b_j, col0):
-        x = jnp.dot(a, e_j.T, preferred_element_type=jnp.float32)       # [M, bv]
+    def tile(a_s, r_s, e_j, b_j, live):
+        """Loss/count row sums, dA rows, dE_j and db_j contributions of one [rows, bv] logit tile."""
+        x = jnp.dot(a_s, e_j.T, preferred_element_type=jnp.float32)
         if b_j is not None:
             x = x + b_j.astype(jnp.float32)[None, :]
         val, dval = bernoulli_terms(x, opts, cp, cq, grad=want_grad)
-        live = None
-        if p.mask:   # columns past the real vocabulary (padding rows of a sharded table)
-            live = (col0 + jnp.arange(e_j.shape[0]) + vocab_offset < p.vocab_size)[None, :]
-        bg, pred, da = carry
         out = {}
         if want_loss:
             if live is not None:
                 val = jnp.where(live, val, 0.0)
-            bg = bg + jnp.sum(val, axis=-1)
+            out["bg"] = jnp.sum(val, axis=-1)
             if count:
                 hit = x > opts.threshold
-                pred = pred + jnp.sum(hit if live is None else hit & live, axis=-1, dtype=jnp.float32)
+                out["pred"] = jnp.sum(hit if live is None else hit & live, axis=-1, dtype=jnp.float32)
         if want_grad:
-            g = dval * r[:, None]
+            g = dval * r_s[:, None]
             if live is not None:
                 g = jnp.where(live, g, 0.0)
             gc = g.astype(cdt)
-            da = da + jnp.dot(gc, e_j, preferred_element_type=jnp.float32)
-            out["de"] = jnp.dot(gc.T, a, preferred_element_type=jnp.float32)
+            out["da"] = jnp.dot(gc, e_j, preferred_element_type=jnp.float32)
+            out["de"] = jnp.dot(gc.T, a_s, preferred_element_type=jnp.float32)
             if b_j is not None:
                 out["db"] = jnp.sum(g, axis=0)
-        return (bg, pred, da), out
+        return out
+
+    row_keys = ("bg", "pred", "da")
+
+    def block(carry, e_j, b_j, col0):
+        live = None
+        if p.mask:   # columns past the real vocabulary (padding rows of a sharded table)
+            live = (col0 + jnp.arange(e_j.shape[0]) + vocab_offset < p.vocab_size)[None, :]
+        if bn >= mp:
+            t = tile(a, r, e_j, b_j, live)
+            carry = {k: carry[k] + t[k] if k in t else carry[k] for k in carry}
+            return carry, {k: t[k] for k in ("de", "db") if k in t}
+
+        def sub(c, i):
+            a_s = jax.lax.dynamic_slice_in_dim(a, i * bn, bn)
+            r_s = jax.lax.dynamic_slice_in_dim(r, i * bn, bn)
+            t = tile(a_s, r_s, e_j, b_j, live)
+            c = dict(c)
+            for k in row_keys:
+                if k in t:
+                    old = jax.lax.dynamic_slice_in_dim(c[k], i * bn, bn)
+                    c[k] = jax.lax.dynamic_update_slice_in_dim(c[k], old + t[k], i * bn, 0)
+            for k in ("de", "db"):
+                if k in t:
+                    c[k] = c[k] + t[k]
+            return c, None
+
+        init = dict(carry)
+        if want_grad:
+            init["de"] = jnp.zeros((e_j.shape[0], d), jnp.float32)
+            if b_j is not None:
+                init["db"] = jnp.zeros((e_j.shape[0],), jnp.float32)
+        c, _ = jax.lax.scan(sub, init, jnp.arange(mp // bn))
+        return {k: c[k] for k in carry}, {k: c[k] for k in ("de", "db") if k in c}
 
     def step(carry, j):
         col0 = j * bv
@@ -116,46 +158,20 @@ def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: boo
         b_j = None if b is None else jax.lax.dynamic_slice_in_dim(b, col0, bv)
         return block(carry, e_j, b_j, col0)
 
-    zeros_m = jnp.zeros((m,), jnp.float32)
-    carry = (zeros_m, zeros_m, jnp.zeros((m, d) if want_grad else (), jnp.float32))
+    carry = {}
+    if want_loss:
+        carry["bg"] = jnp.zeros((mp,), jnp.float32)
+        if count:
+            carry["pred"] = jnp.zeros((mp,), jnp.float32)
+    if want_grad:
+        carry["da"] = jnp.zeros((mp, d), jnp.float32)
     carry, outs = jax.lax.scan(step, carry, jnp.arange(nb))
     outs = {k: o.reshape((nb * bv,) + o.shape[2:]) for k, o in outs.items()}
     if tail:
         carry, last = block(carry, e[nb * bv:], None if b is None else b[nb * bv:], nb * bv)
         outs = {k: jnp.concatenate([outs[k], last[k]]) for k in outs}
-    bg, pred, da = carry
-    return (bg if want_loss else None, pred if count else None, da if want_grad else None,
-            outs.get("de"), outs.get("db"))
-
-
-def _row_chunked(a, e, b, r, vocab_offset, p: Plan, *, want_loss, want_grad):
-    """Runs `_sweep` over row chunks of block_n; dE/db accumulate across chunks."""
-    m, d = a.shape
-    n = p.block_n
-    if n >= m:
-        return _sweep(a, e, b, r, vocab_offset, p, want_loss=want_loss, want_grad=want_grad)
-    nc = _cdiv(m, n)
-    pad = nc * n - m
-    a_c = jnp.pad(a, ((0, pad), (0, 0))).reshape(nc, n, d)
-    r_c = jnp.pad(r, (0, pad)).reshape(nc, n)   # padded rows: zero scale, zero gradient
-    v = e.shape[0]
-
-    def step(carry, chunk):
-        de_acc, db_acc = carry
-        bg, pred, da, de, db = _sweep(chunk[0], e, b, chunk[1], vocab_offset, p,
-                                      want_loss=want_loss, want_grad=want_grad)
-        if want_grad:
-            de_acc = de_acc + de
-            if db is not None:
-                db_acc = db_acc + db
-        return (de_acc, db_acc), (bg, pred, da)
-
-    init = (jnp.zeros((v, d) if want_grad else (), jnp.float32),
-            jnp.zeros((v,) if (want_grad and b is not None) else (), jnp.float32))
-    (de, db), (bg, pred, da) = jax.lax.scan(step, init, (a_c, r_c))
-    flat = lambda x: None if x is None else x.reshape((nc * n,) + x.shape[2:])[:m]
-    return (flat(bg), flat(pred), flat(da), de if want_grad else None,
-            db if (want_grad and b is not None) else None)
+    rows = lambda k: carry[k][:m] if k in carry else None
+    return rows("bg"), rows("pred"), rows("da"), outs.get("de"), outs.get("db")
 
 
 def _cast_grads(a, e, b, da, de, db, scale):
@@ -174,12 +190,12 @@ def background_total(a, e, b, r, vocab_offset, p: Plan):
     a [M, D], e [V_local, D], b [V_local] or None, r [M] f32 row scales,
     vocab_offset: global id of e's row 0. Returns (scalar f32, pred [M] f32 or None).
     """
-    bg, pred, *_ = _row_chunked(a, e, b, r, vocab_offset, p, want_loss=True, want_grad=False)
+    bg, pred, *_ = _sweep(a, e, b, r, vocab_offset, p, want_loss=True, want_grad=False)
     return jnp.sum(r * bg), pred
 
 
 def _total_fwd(a, e, b, r, vocab_offset, p):
-    bg, pred, da, de, db = _row_chunked(a, e, b, r, vocab_offset, p, want_loss=True, want_grad=True)
+    bg, pred, da, de, db = _sweep(a, e, b, r, vocab_offset, p, want_loss=True, want_grad=True)
     return (jnp.sum(r * bg), pred), (bg, da, de, db, a, e, b, vocab_offset)
 
 
@@ -198,7 +214,7 @@ background_total.defvjp(_total_fwd, _total_bwd)
 def background_rows(a, e, b, vocab_offset, p: Plan):
     """Per-row background bg [M] f32 and predicted-positive counts [M] (or None)."""
     ones = jnp.ones((a.shape[0],), jnp.float32)
-    bg, pred, *_ = _row_chunked(a, e, b, ones, vocab_offset, p, want_loss=True, want_grad=False)
+    bg, pred, *_ = _sweep(a, e, b, ones, vocab_offset, p, want_loss=True, want_grad=False)
     return bg, pred
 
 
@@ -209,7 +225,7 @@ def _rows_fwd(a, e, b, vocab_offset, p):
 def _rows_bwd(p, res, cts):
     a, e, b, vocab_offset = res
     ct = cts[0].astype(jnp.float32)
-    _, _, da, de, db = _row_chunked(a, e, b, ct, vocab_offset, p, want_loss=False, want_grad=True)
+    _, _, da, de, db = _sweep(a, e, b, ct, vocab_offset, p, want_loss=False, want_grad=True)
     ga, ge, gb = _cast_grads(a, e, b, da, de, db, 1.0)
     return ga, ge, gb, None
 

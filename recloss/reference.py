@@ -42,28 +42,33 @@ def bernoulli_terms(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = 
         s = jnp.where(x >= 0, inv, e * inv)    # σ(x)
         one_minus_s = jnp.where(x >= 0, e * inv, inv)
 
-    value = jnp.zeros_like(x)
-    dvalue = jnp.zeros_like(x) if grad else None
+    # Terms are added only where present: a zeros_like start would be a
+    # materialised tile in XLA:CPU's loop body.
+    terms, dterms = [], []
     if use_q:
         if gamma == 0.0:
-            value = value + kq * sp_pos
+            terms.append(kq * sp_pos)
             if grad:
-                dvalue = dvalue + kq * s
+                dterms.append(kq * s)
         else:
             s_pow = jnp.exp(-gamma * sp_neg)   # s^γ
-            value = value + kq * s_pow * sp_pos
+            terms.append(kq * s_pow * sp_pos)
             if grad:
-                dvalue = dvalue + kq * s_pow * (gamma * one_minus_s * sp_pos + s)
+                dterms.append(kq * s_pow * (gamma * one_minus_s * sp_pos + s))
     if use_p:
         if gamma == 0.0:
-            value = value + kp * sp_neg
+            terms.append(kp * sp_neg)
             if grad:
-                dvalue = dvalue - kp * one_minus_s
+                dterms.append(-kp * one_minus_s)
         else:
             t_pow = jnp.exp(-gamma * sp_pos)   # (1−s)^γ
-            value = value + kp * t_pow * sp_neg
+            terms.append(kp * t_pow * sp_neg)
             if grad:
-                dvalue = dvalue - kp * t_pow * (gamma * s * sp_neg + one_minus_s)
+                dterms.append(-kp * t_pow * (gamma * s * sp_neg + one_minus_s))
+    value = functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(x)
+    dvalue = None
+    if grad:
+        dvalue = functools.reduce(jnp.add, dterms) if dterms else jnp.zeros_like(x)
     return value, dvalue
 
 

@@ -383,3 +383,22 @@ def test_maxtext_install_replaces_train_loss_fn(maxtext):
     assert train.loss_fn is original
     assert "vocab_tiling_nnx_loss" in vars(train)  # the hook recloss swaps in is still where it was
 
+
+
+@pytest.mark.slow
+def test_maxtext_training_loop_runs_the_recloss_loss(maxtext, monkeypatch, tmp_path):
+    from recloss_plugins.maxtext import train as rm_train
+    train = pytest.importorskip("maxtext.trainers.pre_train.train")
+    calls = []
+    real = rm_loss.vocab_loss
+
+    def counting(*args, **kwargs):
+        calls.append(args[3].loss)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rm_loss, "vocab_loss", counting)
+    original = train.loss_fn
+    rm_train.main(["", maxtext.base_yml, *TINY, f"base_output_directory={tmp_path}", "steps=2",
+                   "dataset_type=synthetic", "num_vocab_tiling=2", "loss=cutbce", "loss_block_v=16"])
+    assert calls and set(calls) == {"cutbce"}  # traced inside MaxText's train/eval steps
+    assert train.loss_fn is original and maxtext.pyconfig.initialize.__module__ == "maxtext.configs.pyconfig"

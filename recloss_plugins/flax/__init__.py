@@ -11,12 +11,13 @@ from recloss_plugins.flax.nnx import MultiLabelHead
 
 LinenMultiLabelHead = linen.MultiLabelHead
 
+# The submodules `nnx` and `linen` stay out of __all__: a star import would
+# shadow `flax.nnx` / `flax.linen` in the importer's namespace.
+
 __all__ = [
     "LinenMultiLabelHead",
     "MultiLabelHead",
     "config_to_dict",
-    "linen",
     "make_loss_fn",
-    "nnx",
     "resolve_config",
 ]

@@ -151,6 +151,28 @@ def format_cpu(results, info) -> str:
     return "\n".join(lines)
 
 
+def format_topology(topology: str, rows) -> str:
+    """Markdown table of `topology.topology_rows` output (per-chip HBM, cost-analysis flops)."""
+    gib = lambda x: f"{x / 2**30:.3f}" if isinstance(x, (int, float)) else str(x)
+    lines = [
+        f"per-chip HBM of loss+grad compiled for one chip of {topology} (XLA memory_analysis; "
+        "HBM = arguments + outputs + temp)",
+        "",
+        "| strategy | B | N | D | V | HBM GiB | temp GiB | flops / 6·BN·V·D | compile s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        flops = r["flops"]
+        ratio = f"{flops / r['ideal_flops']:.3f}" if isinstance(flops, (int, float)) else (
+            "-" if flops is None else str(flops))
+        lines.append(f"| {r['strategy']} | {r['B']} | {r['N']} | {r['D']} | {r['V']:,} | {gib(r['hbm_bytes'])} | "
+                     f"{gib(r['temp_bytes'])} | {ratio} | {r['compile_s']} |")
+    lines.append("")
+    lines.append("flops come from compiled.cost_analysis(): Pallas kernels report their pl.CostEstimate; "
+                 "XLA counts a scan body once, so the cutbce (lax.scan) column understates its work.")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="recloss-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,6 +189,9 @@ def main(argv=None):
     parser.add_argument("--topology", default=None,
                         help="compile for a TPU topology (v5e-8, v6e-8, v5p-8) instead of timing here; "
                              "prints per-chip HBM and cost-analysis flops")
+    parser.add_argument("--shapes", default="paper",
+                        help="with --topology: 'paper' (Table II + Table III shapes), 'table3', or "
+                             "B,N,D,V[;B,N,D,V...]")
     parser.add_argument("--json", default=None, help="also write the results as JSON to this path")
     args = parser.parse_args(argv)
 
@@ -185,10 +210,16 @@ def main(argv=None):
 
     if args.topology:
         from recloss.bench import topology
-        strategies = [s for s in args.strategies.split(",") if s] if args.strategies != "dense_bce,cutbce" \
-            else ["dense_bce", "cutbce", "cutbce_pallas"]
-        rows = topology.topology_rows(args.topology, strategies, None)
-        print(topology.format_rows(args.topology, rows))
+        if args.strategies == parser.get_default("strategies"):
+            strategies = ["dense_bce", "cutbce", "cutbce_pallas"]
+        shapes = _topology_shapes(parser, args.shapes, topology)
+        rows = []
+        for i, shape in enumerate(shapes):
+            _log(f"[bench] {args.topology}: compiling shape {i + 1}/{len(shapes)} {tuple(shape)} ...")
+            t0 = time.perf_counter()
+            rows += topology.topology_rows(args.topology, strategies, [shape])
+            _log(f"[bench]   done in {time.perf_counter() - t0:.0f}s")
+        print(format_topology(args.topology, rows))
         payload = dict(topology=args.topology, rows=rows)
     else:
         t0 = time.perf_counter()
@@ -201,6 +232,21 @@ def main(argv=None):
             json.dump(payload, fh, indent=2)
         _log(f"[bench] wrote {args.json}")
     return 0
+
+
+def _topology_shapes(parser, text: str, topology):
+    if text == "paper":
+        return list(topology.PAPER_SHAPES)
+    if text == "table3":
+        return list(topology.TABLE_III)
+    shapes = []
+    for part in text.split(";"):
+        try:
+            b, n, d, v = (int(x) for x in part.split(","))
+        except ValueError:
+            parser.error(f"--shapes entry {part!r} is not B,N,D,V (four ints), 'paper' or 'table3'")
+        shapes.append(topology.Shape(b, n, d, v))
+    return shapes
 
 
 if __name__ == "__main__":

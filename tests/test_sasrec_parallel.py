@@ -92,6 +92,17 @@ def test_largest_fitting_batch(slope, fixed, budget, unit, start, rng):
     assert len(calls) <= 16
 
 
+def test_largest_fitting_batch_with_compile_ooms():
+    # Above 1000 the "compiler" refuses (inf); the answer is still found by bisection.
+    measure = lambda b: float("inf") if b > 1000 else 2.0 * b
+    assert aot.largest_fitting_batch(measure, 1900.0, 8, 64) == 944
+    assert aot.largest_fitting_batch(measure, 5000.0, 8, 64) == 1000
+    err = RuntimeError("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. "
+                       "Ran out of memory in memory space hbm. Used 31.28G of 31.25G hbm.")
+    assert aot.compile_oom(err) == "Used 31.28G of 31.25G hbm"
+    assert aot.compile_oom(ValueError("shapes do not match")) is None
+
+
 @pytest.mark.slow
 @pytest.mark.tpu_aot
 def test_aot_compile_for_v6e_cutbce_uses_less_hbm_than_dense():

@@ -13,10 +13,10 @@ from recloss_plugins.sasrec import data as D
 from recloss_plugins.sasrec.train import NonFiniteLossError, Checkpoints, main, train
 
 TINY = [
-    "synthetic_num_users=48", "synthetic_num_items=127", "synthetic_min_len=20", "synthetic_max_len=30",
+    "synthetic_num_users=48", "synthetic_num_items=511", "synthetic_min_len=20", "synthetic_max_len=30",
     "synthetic_num_intents=4", "synthetic_intents_per_user=2", "num_labels=4", "max_seq_len=8",
     "global_batch_size=16", "emb_dim=16", "num_layers=1", "num_heads=2", "mlp_dim=32", "dropout=0.1",
-    "learning_rate=3e-3", "warmup_steps=2", "eval_batch_size=32", "eval_block_v=48", "log_period=2",
+    "learning_rate=3e-3", "warmup_steps=2", "eval_batch_size=32", "eval_block_v=200", "log_period=2",
 ]
 
 
@@ -85,13 +85,15 @@ def test_resume_ends_with_the_same_parameters(tmp_path):
 def test_strategies_give_equal_loss_curves(tmp_path):
     names = [n for n in ("dense_bce", "cutbce", "cutbce_pallas") if n in recloss.available_strategies()]
     assert names[:2] == ["dense_bce", "cutbce"]
-    common = ["steps=5", "enable_checkpointing=false", "enable_tensorboard=false", "log_period=1"]
+    # Same program knobs as the resume test, so the cutbce program is compiled once per session.
+    common = ["steps=7", "checkpoint_period=2", "log_period=1", "enable_checkpointing=false",
+              "enable_tensorboard=false"]
     ds = D.build_dataset(_cfg(tmp_path, *common))
     curves = {}
     for name in names:
         r = train(_cfg(tmp_path, *common, f"loss={name}", f"run_name={name}"), devices=_one_device(),
                   dataset=ds, log=lambda *a: None)
-        curves[name] = np.array([r.losses[s] for s in range(5)])
+        curves[name] = np.array([r.losses[s] for s in range(7)])
     ref = curves["dense_bce"]
     assert ref[-1] < ref[0]
     for name, curve in curves.items():
@@ -113,8 +115,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def test_resume_refuses_a_different_model(tmp_path):
-    train(_cfg(tmp_path, "steps=2", "checkpoint_period=2", "run_name=m"), devices=_one_device(),
-          log=lambda *a: None)
+    train(_cfg(tmp_path, "steps=7", "checkpoint_period=2", "log_period=1", "run_name=m"), devices=_one_device(),
+          stop_after=2, log=lambda *a: None)
     from recloss_plugins.config import ConfigError
     with pytest.raises(ConfigError, match="new run_name"):
         train(_cfg(tmp_path, "steps=4", "emb_dim=32", "run_name=m"), devices=_one_device(), log=lambda *a: None)
@@ -133,9 +135,10 @@ def test_bfloat16_untied_run_learns(tmp_path):
 @pytest.mark.slow
 def test_mesh_2x2x2_matches_one_device(tmp_path):
     assert len(jax.devices()) == 8
-    # V = 512 = padded rows on both meshes, so both initialise the same table.
-    common = ["steps=4", "enable_checkpointing=false", "enable_tensorboard=false", "log_period=1",
-              "synthetic_num_items=511", "loss=cutbce"]
+    # V = 512 = padded rows on both meshes, so both initialise the same table. The one-device
+    # run shares its program with the resume test.
+    common = ["steps=7", "checkpoint_period=2", "log_period=1", "enable_checkpointing=false",
+              "enable_tensorboard=false", "loss=cutbce"]
     ds = D.build_dataset(_cfg(tmp_path, *common))
     one = train(_cfg(tmp_path, *common, "run_name=one"), devices=_one_device(), dataset=ds, log=lambda *a: None)
     logs = []
@@ -145,7 +148,7 @@ def test_mesh_2x2x2_matches_one_device(tmp_path):
     assert mesh.program.rows == one.program.rows == 512
     table = mesh.state["params"]["item_emb"]["embedding"]
     assert table.sharding.spec[0] == ("vocab", "fsdp")
-    np.testing.assert_allclose([mesh.losses[s] for s in range(4)], [one.losses[s] for s in range(4)], rtol=2e-5)
+    np.testing.assert_allclose([mesh.losses[s] for s in range(7)], [one.losses[s] for s in range(7)], rtol=2e-5)
     for a, b in zip(_params(one), _params(mesh)):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
     assert mesh.evals["test"]["hit@8"] == pytest.approx(one.evals["test"]["hit@8"], abs=1 / 48)

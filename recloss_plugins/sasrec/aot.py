@@ -11,6 +11,8 @@ global batch (a multiple of the batch shards) whose step fits that budget.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from typing import Callable, Dict, Optional
 
@@ -36,14 +38,26 @@ def compile_step(cfg, devices, vocab: int, batch_size: Optional[int] = None):
     return compiled, memory_report(compiled), program
 
 
+def compile_oom(err: Exception) -> Optional[str]:
+    """The compiler's words when ``err`` is a compile-time HBM OOM ("Used 31.28G of 31.25G
+    hbm"), else None."""
+    text = str(err)
+    if "RESOURCE_EXHAUSTED" not in text and "HbmOom" not in text:
+        return None
+    m = re.search(r"Used [0-9.]+[KMGT]i?B? of [0-9.]+[KMGT]i?B? hbm", text)
+    return m.group(0) if m else "out of HBM"
+
+
 def largest_fitting_batch(measure: Callable[[int], float], budget: float, unit: int, start: int,
-                          limit: int = 1 << 16) -> int:
-    """Largest multiple of ``unit`` b <= ``limit`` with measure(b) <= budget (measure increasing in b).
+                          limit: int = 1 << 16, capacity: Callable[[], float] = lambda: math.inf) -> int:
+    """Largest multiple of ``unit`` b <= ``limit`` with measure(b) <= budget (measure increasing
+    in b; inf = the compiler refused it).
 
     Doubles from ``start`` while batches fit, then narrows the bracket
-    [last fit, first miss]: first by secant steps (per-chip memory is close to
-    affine in the batch, so a guess and its neighbour usually settle it), then
-    by bisection. Returns 0 when not even ``unit`` fits."""
+    [last fit, first miss]: first by secant steps aimed at min(budget,
+    capacity()) (per-chip memory is close to affine in the batch, so a guess
+    and its neighbour usually settle it), then by bisection. Returns 0 when
+    not even ``unit`` fits."""
     seen: Dict[int, float] = {}
 
     def fits(b):
@@ -64,20 +78,38 @@ def largest_fitting_batch(measure: Callable[[int], float], budget: float, unit: 
                 hi = lo * 2
     secant_tries = 3
     while hi - lo > unit:
+        guess = None
         if secant_tries > 0:
             secant_tries -= 1
-            m_lo = seen[lo] if lo else 0.0
-            guess = lo + (budget - m_lo) * (hi - lo) / max(seen[hi] - m_lo, 1e-9)
-        else:
+            guess = _secant(seen, lo, hi, min(budget, capacity()))
+        secant = guess is not None
+        if not secant:
             guess = (lo + hi) / 2
         mid = min(max(int(guess) // unit * unit, lo + unit), hi - unit)
         if fits(mid):
             lo = mid
-            if secant_tries >= 0 and mid + unit < hi and not fits(mid + unit):
+            # A good secant guess is the answer or just below it: its neighbour settles it.
+            if secant and mid + unit < hi and not fits(mid + unit):
                 hi = mid + unit
         else:
             hi = mid
     return lo
+
+
+def _secant(seen: Dict[int, float], lo: int, hi: int, budget: float) -> Optional[float]:
+    """Where the line through two measured points reaches ``budget``: the bracket ends
+    when both are finite, else the last two finite points at or below ``lo``."""
+    if lo and math.isfinite(seen[hi]):
+        (b0, v0), (b1, v1) = (lo, seen[lo]), (hi, seen[hi])
+    else:
+        below = sorted(b for b, v in seen.items() if b <= lo and math.isfinite(v))
+        if len(below) < 2:
+            return None if lo else (hi * budget / seen[hi] if math.isfinite(seen[hi]) else None)
+        (b0, v0), (b1, v1) = (below[-2], seen[below[-2]]), (below[-1], seen[below[-1]])
+    slope = (v1 - v0) / (b1 - b0)
+    if slope <= 0:
+        return None
+    return b1 + (budget - v1) / slope
 
 
 def compile_report(cfg, log=print) -> Dict[str, object]:
@@ -98,15 +130,27 @@ def compile_report(cfg, log=print) -> Dict[str, object]:
         budget = cfg.compile_fit_hbm_gib * 2**30
         seen = {}
 
+        cap = {"bytes": math.inf}
+
         def measure(b):
-            _, r, _ = compile_step(cfg, devices, vocab, batch_size=b)
-            seen[b] = r["total"] / 2**30
-            log(f"  global batch {b}: {seen[b]:.2f} GiB per chip -> "
-                f"{'fits' if r['total'] <= budget else 'too big'}")
-            return r["total"]
+            try:
+                _, r, _ = compile_step(cfg, devices, vocab, batch_size=b)
+                total, note = r["total"], ""
+            except Exception as err:  # XLA:TPU refuses programs larger than the chip's HBM
+                oom = compile_oom(err)
+                if oom is None:
+                    raise
+                total, note = float("inf"), f" (compile-time OOM: {oom})"
+                m = re.search(r"of ([0-9.]+)G", oom)
+                if m:
+                    cap["bytes"] = min(cap["bytes"], float(m.group(1)) * 2**30)
+            seen[b] = total / 2**30
+            log(f"  global batch {b}: {seen[b]:.2f} GiB per chip{note} -> "
+                f"{'fits' if total <= budget else 'too big'}")
+            return total
 
         unit = program.layout.batch_shards
-        best = largest_fitting_batch(measure, budget, unit, program.batch_size)
+        best = largest_fitting_batch(measure, budget, unit, program.batch_size, capacity=lambda: cap["bytes"])
         log(f"largest global batch fitting {cfg.compile_fit_hbm_gib:g} GiB per chip: {best} "
             f"(multiples of {unit}; {len(seen)} compiles)")
         out.update(largest_batch=best, searched=seen)

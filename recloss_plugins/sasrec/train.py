@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     try:
         if cfg.compile_topology:
             from recloss_plugins.sasrec import aot
-            aot.compile_report(cfg)
+            aot.compile_report(cfg, log=lambda *a: print(*a, flush=True))
             return 0
         parallel.maybe_initialize_distributed()
         if jax.process_index() == 0:

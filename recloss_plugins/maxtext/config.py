@@ -40,6 +40,7 @@ import functools
 from typing import Any, Optional, Tuple
 
 import recloss
+from recloss_plugins.config.keys import LOSS_OPTION_KEYS
 from recloss_plugins.flax.loss_fn import resolve_config
 
 
@@ -77,19 +78,9 @@ FIELDS = {
                            "split over, or None."),
 }
 
-# Config key -> recloss.LossOptions field (the rest are the strategy and the mesh layout).
-OPTION_KEYS = {
-    "loss_block_v": "block_v",
-    "loss_block_n": "block_n",
-    "vocab_reduction": "vocab_reduction",
-    "label_smoothing": "label_smoothing",
-    "pos_weight": "pos_weight",
-    "focal_gamma": "focal_gamma",
-    "focal_alpha": "focal_alpha",
-    "loss_threshold": "threshold",
-    "loss_interpret": "interpret",
-    "loss_pad_id": "pad_id",
-}
+# Config key -> recloss.LossOptions field (the rest are the strategy and the mesh layout): the
+# trainer's keys plus the pad id, which MaxText token streams may need.
+OPTION_KEYS = {**LOSS_OPTION_KEYS, "loss_pad_id": "pad_id"}
 
 
 def _get(config, key):

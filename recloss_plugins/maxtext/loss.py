@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 import recloss
+from recloss_plugins.flax._common import unwrap
 from recloss_plugins.maxtext import config as config_lib
 
 _TRAIN_MODULE = "maxtext.trainers.pre_train.train"
@@ -47,14 +48,6 @@ _HOOK = "vocab_tiling_nnx_loss"
 _lock = threading.RLock()
 
 
-def _value(x):
-    """The array inside an nnx.Variable / linen LogicallyPartitioned box, else x."""
-    get_value = getattr(x, "get_value", None)
-    if callable(get_value) and not isinstance(x, jax.Array):
-        return get_value()
-    if hasattr(x, "unbox") and callable(x.unbox):
-        return x.unbox()
-    return x
 
 
 def output_table(model, config, features: int):
@@ -67,12 +60,12 @@ def output_table(model, config, features: int):
     kernel [D, V] transposed (a V·D copy) and scale is 1.
     """
     if getattr(config, "logits_via_embedding", False):
-        table = _value(model.token_embedder.embedding)
+        table = unwrap(model.token_embedder.embedding)
         table = table.astype(jnp.bfloat16).astype(table.dtype)
         scale = features ** -0.5 if getattr(config, "normalize_embedding_logits", True) else 1.0
         return table, scale
     dense = model.decoder.logits_dense
-    kernel = _value(dense.kernel)
+    kernel = unwrap(dense.kernel)
     if kernel.ndim != 2 or kernel.shape[0] != features:
         raise ValueError(f"logits_dense kernel has shape {tuple(kernel.shape)}; expected [D={features}, V]")
     if getattr(dense, "bias", None) is not None:

@@ -9,7 +9,7 @@ recloss_plugins.sasrec.train``) with the remaining arguments (a config file and
 command. Process ``i`` of ``N`` gets, on top of this environment:
 
     JAX_COORDINATOR_ADDRESS  127.0.0.1:<free port>   read by jax.distributed.initialize itself
-    JAX_NUM_PROCESSES        N                       read by recloss-train (parallel.maybe_initialize_distributed)
+    JAX_NUM_PROCESSES        N                       read by recloss-train (sasrec.distributed.initialize_from_env)
     JAX_PROCESS_ID           i                       read by recloss-train
     XLA_FLAGS                ... --xla_force_host_platform_device_count=K   (K = --devices-per-process)
     JAX_PLATFORMS            cpu (--platform; '' leaves it as it is)

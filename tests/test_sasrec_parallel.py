@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from recloss_plugins.config import default_config_path, load_config
-from recloss_plugins.sasrec import aot, parallel
+from recloss_plugins.sasrec import aot, distributed, parallel
 
 
 def _cfg(*extra):
@@ -60,15 +60,16 @@ def test_topology_names():
 
 
 def test_multihost_detection_is_env_driven():
-    assert not parallel.multihost_requested({})
-    assert not parallel.multihost_requested({"TPU_WORKER_HOSTNAMES": "localhost"})
-    assert parallel.multihost_requested({"TPU_WORKER_HOSTNAMES": "h0,h1"})
-    assert not parallel.multihost_requested(
+    requested = distributed.requested
+    assert not requested({})
+    assert not requested({"TPU_WORKER_HOSTNAMES": "localhost"})
+    assert requested({"TPU_WORKER_HOSTNAMES": "h0,h1"})
+    assert not requested(
         {"TPU_WORKER_HOSTNAMES": "WARNING: could not determine TPU worker hostnames, please set it"})
-    assert parallel.multihost_requested({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
-    assert parallel.multihost_requested({"SLURM_NTASKS": "4"})
-    assert not parallel.multihost_requested({"SLURM_NTASKS": "1", "OMPI_COMM_WORLD_SIZE": "1"})
-    assert not parallel.maybe_initialize_distributed({})
+    assert requested({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
+    assert requested({"SLURM_NTASKS": "4"})
+    assert not requested({"SLURM_NTASKS": "1", "OMPI_COMM_WORLD_SIZE": "1"})
+    assert distributed.initialize_from_env({}) is None
 
 
 @pytest.mark.parametrize("slope, fixed, budget, unit, start", [

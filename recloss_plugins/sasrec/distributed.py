@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Callable, Mapping, Optional
 
 from recloss_plugins.config import ConfigError
@@ -55,7 +56,9 @@ def _int(env: Mapping[str, str], key: str, lo: int) -> Optional[int]:
 
 
 def _hosts(env: Mapping[str, str], key: str) -> int:
-    return len([h for h in env.get(key, "").split(",") if h.strip()])
+    # Only well-formed host names count: off a TPU VM, libtpu may leave a warning
+    # sentence (with commas) in TPU_WORKER_HOSTNAMES.
+    return sum(bool(re.fullmatch(r"[\w.\-:]+", h.strip())) for h in env.get(key, "").split(","))
 
 
 def requested(env: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -29,47 +29,6 @@ class MeshError(ValueError):
     """The parallelism keys do not fit the devices."""
 
 
-# ----------------------------------------------------------------------------- multi-host
-_MULTIHOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
-
-
-def multihost_requested(env=None) -> bool:
-    """True when the environment describes a multi-process job.
-
-    Signals: a coordinator address (JAX_COORDINATOR_ADDRESS / COORDINATOR_ADDRESS,
-    set by launch/ scripts), a multi-host Cloud TPU slice (TPU_WORKER_HOSTNAMES
-    with several hosts), or SLURM / Open MPI with more than one task."""
-    env = os.environ if env is None else env
-    if any(env.get(k) for k in _MULTIHOST_ENV):
-        return True
-    hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",")]
-    if sum(bool(re.fullmatch(r"[\w.\-:]+", h)) for h in hosts) > 1:
-        return True
-    for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-        try:
-            if int(env.get(key, "1")) > 1:
-                return True
-        except ValueError:
-            pass
-    return False
-
-
-def maybe_initialize_distributed(env=None) -> bool:
-    """jax.distributed.initialize() (arguments from the environment) when `multihost_requested`."""
-    if not multihost_requested(env):
-        return False
-    env = os.environ if env is None else env
-    kwargs = {}
-    addr = env.get("JAX_COORDINATOR_ADDRESS") or env.get("COORDINATOR_ADDRESS")
-    if addr:
-        kwargs["coordinator_address"] = addr
-        for key, arg in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
-            if env.get(key):
-                kwargs[arg] = int(env[key])
-    jax.distributed.initialize(**kwargs)
-    return True
-
-
 # ----------------------------------------------------------------------------- mesh
 def _fill(shape: Sequence[int], total: int, what: str, keys: Sequence[str]) -> Tuple[int, ...]:
     shape = list(shape)

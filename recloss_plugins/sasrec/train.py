@@ -26,6 +26,7 @@ import numpy as np
 from recloss import metrics as metrics_lib
 from recloss_plugins.config import ConfigError, dump_config, load_config
 from recloss_plugins.sasrec import data as data_lib
+from recloss_plugins.sasrec import distributed
 from recloss_plugins.sasrec import eval as eval_lib
 from recloss_plugins.sasrec import parallel
 from recloss_plugins.sasrec.logging_utils import MetricsWriter, Progress, format_duration
@@ -340,7 +341,7 @@ def main(argv=None) -> int:
             from recloss_plugins.sasrec import aot
             aot.compile_report(cfg, log=lambda *a: print(*a, flush=True))
             return 0
-        parallel.maybe_initialize_distributed()
+        distributed.initialize_from_env()
         if jax.process_index() == 0:
             print("config:\n" + "\n".join(f"  {line}" for line in dump_config(cfg).splitlines()), flush=True)
         train(cfg, log=lambda *a: print(*a, flush=True))

@@ -72,3 +72,21 @@ def dense_scores(hidden, table, bias, options: recloss.LossOptions):
     if options.vocab_size is not None:
         scores = scores[..., :options.vocab_size]
     return scores
+
+
+def item_table(tied: bool, table, owned, features: int, num_items: Optional[int], example: str):
+    """The [V, D] table a head scores against: ``table`` for a tied head, else ``owned()``.
+
+    ``example`` shows how to pass the shared table, for the error a tied head gives without one.
+    """
+    if tied:
+        if table is None:
+            raise ValueError("this MultiLabelHead is tied (tied=True) and owns no table: pass the shared "
+                             f"[V, D] table, e.g. {example}")
+        table = unwrap(table)
+        check_table(table, features, num_items)
+        return table
+    if table is not None:
+        raise ValueError("this MultiLabelHead owns its table (tied=False); table= is only for heads "
+                         "built with tied=True")
+    return owned()

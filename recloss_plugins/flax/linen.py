@@ -84,17 +84,8 @@ class MultiLabelHead(nn.Module):
 
     def item_table(self, table=None):
         """The [V, D] table: the owned param, or ``table`` for a tied head."""
-        if self.tied:
-            if table is None:
-                raise ValueError("this MultiLabelHead is tied (tied=True) and owns no table: pass the shared "
-                                 "[V, D] table, e.g. self.head(h, targets, table=self.embed.embedding)")
-            table = _common.unwrap(table)
-            _common.check_table(table, self.features, self.num_items)
-            return table
-        if table is not None:
-            raise ValueError("this MultiLabelHead owns its table (tied=False); table= is only for heads "
-                             "built with tied=True")
-        return self.table
+        return _common.item_table(self.tied, table, lambda: self.table, self.features, self.num_items,
+                                  "self.head(h, targets, table=self.embed.embedding)")
 
     def _bias(self):
         return self.bias if self.use_bias else None

@@ -78,17 +78,8 @@ class MultiLabelHead(nnx.Module):
 
     def item_table(self, table=None):
         """The [V, D] table: the owned one, or ``table`` (array or nnx.Param) for a tied head."""
-        if self.tied:
-            if table is None:
-                raise ValueError("this MultiLabelHead is tied (tied=True) and owns no table: pass the shared "
-                                 "[V, D] table, e.g. head(hidden, targets, table=model.embed.embedding)")
-            table = _common.unwrap(table)
-            _common.check_table(table, self.features, self.num_items)
-            return table
-        if table is not None:
-            raise ValueError("this MultiLabelHead owns its table (tied=False); table= is only for heads "
-                             "built with tied=True")
-        return self.table[...]
+        return _common.item_table(self.tied, table, lambda: self.table[...], self.features, self.num_items,
+                                  "head(hidden, targets, table=model.embed.embedding)")
 
     def _bias(self):
         return None if self.bias is None else self.bias[...]

@@ -18,12 +18,23 @@ from recloss import targets as targets_lib
 def bernoulli_terms(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = True):
     """Returns ``(cp·P(x) + cq·Q(x), d/dx of it)`` elementwise, in float32.
 
+    The value is the sum of `bernoulli_parts`; see there for the formula.
+    """
+    parts, dvalue = bernoulli_parts(x, opts, cp, cq, grad=grad)
+    return functools.reduce(jnp.add, parts), dvalue
+
+
+def bernoulli_parts(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = True):
+    """Returns ``(parts, d/dx)``: arrays whose sum is ``cp·P(x) + cq·Q(x)``, in float32.
+
     With s = σ(x), sp = softplus:
         P  = pos_weight·α·(1−s)^γ·sp(−x),   P' = −pos_weight·α·(1−s)^γ·(γ·s·sp(−x) + (1−s))
         Q  = (1−α)·s^γ·sp(x),                Q' = (1−α)·s^γ·(γ·(1−s)·sp(x) + s)
     Powers are taken as exp(−γ·sp(∓x)) so x = ±1e4 stays finite. Terms whose
     coefficient is 0 are skipped at trace time. The gradient is None when
-    ``grad=False``.
+    ``grad=False``. With γ = 0 the value comes in parts (kq·relu(x),
+    kp·relu(−x), (kq + kp)·log1p(exp(−|x|))): a blocked pass reduces each part
+    on its own, which XLA:CPU runs ~10% faster than reducing their sum.
     """
     x = x.astype(jnp.float32)
     gamma = float(opts.focal_gamma)
@@ -37,17 +48,30 @@ def bernoulli_terms(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = 
     relu = jnp.maximum(x, 0.0)
     sp_pos = relu + log_term               # softplus(x)
     sp_neg = sp_pos - x                    # softplus(-x)
-    if grad or gamma != 0.0:
+    if gamma != 0.0:
         inv = 1.0 / (1.0 + e)
         s = jnp.where(x >= 0, inv, e * inv)    # σ(x)
         one_minus_s = jnp.where(x >= 0, e * inv, inv)
+    elif grad:
+        # σ(±x) = 1/(1 + exp(∓x)) rather than from `e`: not sharing exp(−|x|)
+        # lets XLA:CPU keep the loss and the gradient in separate fusions
+        # without materialising `e` (~7% of the fused pass on CPU).
+        # Both are exact in relative terms for either sign of x.
+        s = jax.nn.sigmoid(x) if use_q else None
+        one_minus_s = jax.nn.sigmoid(-x) if use_p else None
 
     # Terms are added only where present: a zeros_like start would be a
     # materialised tile in XLA:CPU's loop body.
     terms, dterms = [], []
+    if gamma == 0.0:
+        if use_q:
+            terms.append(kq * relu)
+        if use_p:
+            terms.append(kp * jnp.maximum(-x, 0.0))
+        if use_p or use_q:
+            terms.append((kq + kp) * log_term)
     if use_q:
         if gamma == 0.0:
-            terms.append(kq * sp_pos)
             if grad:
                 dterms.append(kq * s)
         else:
@@ -57,7 +81,6 @@ def bernoulli_terms(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = 
                 dterms.append(kq * s_pow * (gamma * one_minus_s * sp_pos + s))
     if use_p:
         if gamma == 0.0:
-            terms.append(kp * sp_neg)
             if grad:
                 dterms.append(-kp * one_minus_s)
         else:
@@ -65,11 +88,11 @@ def bernoulli_terms(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = 
             terms.append(kp * t_pow * sp_neg)
             if grad:
                 dterms.append(-kp * t_pow * (gamma * s * sp_neg + one_minus_s))
-    value = functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(x)
+    parts = tuple(terms) if terms else (jnp.zeros_like(x),)
     dvalue = None
     if grad:
         dvalue = functools.reduce(jnp.add, dterms) if dterms else jnp.zeros_like(x)
-    return value, dvalue
+    return parts, dvalue
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))

@@ -23,6 +23,8 @@ QUICK_SHAPE = dict(batch=4, seq=128, vocab=20_000, dim=64, labels=8)
 
 
 MATMULS_ONLY = "cutbce blocked matmuls only (no loss math)"
+OPTAX = "optax"   # a baseline, not a registered strategy
+OPTAX_LABEL = "optax.sigmoid_binary_cross_entropy (dense, autodiff)"
 
 
 @contextlib.contextmanager
@@ -51,6 +53,7 @@ class Row:
     temp_bytes: int = 0
     compile_s: float = 0.0
     times: List[float] = dataclasses.field(default_factory=list)
+    loss: Optional[float] = None
 
 
 def _log(msg: str):
@@ -64,9 +67,24 @@ def _rows(strategies):
             rows.append(Row("cutbce (fused)", name, 6, {}))
             rows.append(Row("cutbce (recompute, paper design)", name, 8, {"reduction": "none"}))
             rows.append(Row(MATMULS_ONLY, name, 6, {}, matmuls_only=True))
+        elif name == OPTAX:
+            rows.append(Row(OPTAX_LABEL, name, 6, {}))
         else:
             rows.append(Row(name, name, 6, {}))
     return rows
+
+
+def _optax_loss(hidden, table, targets):
+    """What a user writes today: logits, a multi-hot matrix by scatter, optax's sigmoid BCE,
+    mean over B·N·V (= recloss's defaults: reduction='mean', vocab_reduction='mean')."""
+    import jax.numpy as jnp
+    import optax
+
+    d, v = hidden.shape[-1], table.shape[0]
+    logits = hidden.reshape(-1, d) @ table.T
+    ids = targets.reshape(logits.shape[0], -1)
+    labels = jnp.zeros(logits.shape, logits.dtype).at[jnp.arange(ids.shape[0])[:, None], ids].set(1.0)
+    return optax.sigmoid_binary_cross_entropy(logits, labels).mean()
 
 
 def _build(row: Row, inputs, block_v):
@@ -81,6 +99,8 @@ def _build(row: Row, inputs, block_v):
     per_position = opts.get("reduction") == "none"
 
     def loss(h, e):
+        if row.strategy == OPTAX:
+            return _optax_loss(h, e, targets)
         out = recloss.bce_loss(h, e, targets, strategy=row.strategy, **opts)
         # 'none' + mean: the same scalar as 'mean', but through the recompute VJP.
         return jnp.mean(out.loss) if per_position else out.loss
@@ -135,8 +155,9 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
     def timer(row):
         def run():
             t0 = time.perf_counter()
-            jax.block_until_ready(row.fn(hidden, table))
+            value, _ = jax.block_until_ready(row.fn(hidden, table))
             row.times.append(time.perf_counter() - t0)
+            row.loss = float(value)
         return run
 
     # Each round runs the rows in a new (seeded) order: a run right after
@@ -165,6 +186,7 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
             gflops_per_s=flops / med / 1e9, matmul_fraction=flops / med / matmul_rate,
             time_vs_dense=(med / float(np.median(base.times))) if base else None,
             temp_vs_dense=(row.temp_bytes / base.temp_bytes) if base and base.temp_bytes else None,
+            loss=None if row.matmuls_only else row.loss,
         ))
     return results, dict(matmul_gflops_per_s=matmul_rate / 1e9, matmul_shape="2048x2048x2048 f32",
                          devices=str(jax.devices()[0].device_kind), cpu_count=os.cpu_count(),
@@ -192,6 +214,16 @@ def format_cpu(results, info) -> str:
         lines.append("")
         lines.append(f"fused / recompute time: {fused['median_s'] / recompute['median_s']:.3f} "
                      f"(flop ratio 6/8 = 0.750)")
+    optax_row = next((r for r in results if r["strategy"] == OPTAX_LABEL), None)
+    if fused and optax_row:
+        lines.append(f"cutbce (fused) / optax dense time: {fused['median_s'] / optax_row['median_s']:.3f}, "
+                     f"temp: {fused['temp_mib'] / optax_row['temp_mib']:.4f}")
+    losses = [r["loss"] for r in results if r.get("loss") is not None]
+    if len(losses) > 1:
+        spread = (max(losses) - min(losses)) / max(abs(min(losses)), 1e-30)
+        verdict = "agree" if spread <= 1e-5 else "DISAGREE (a row computes a different loss!)"
+        lines.append(f"loss values of the rows {verdict}: {min(losses):.7g} .. {max(losses):.7g} "
+                     f"(relative spread {spread:.1e})")
     mm = next((r for r in results if r["strategy"] == MATMULS_ONLY), None)
     if fused and mm:
         logits = fused["batch"] * fused["seq"] * fused["vocab"]
@@ -231,8 +263,9 @@ def format_topology(topology: str, rows) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="recloss-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategies", default="dense_bce,cutbce",
-                        help="comma-separated strategy names (CPU timing; Pallas needs --topology)")
+    parser.add_argument("--strategies", default="dense_bce,optax,cutbce",
+                        help="comma-separated strategy names (CPU timing; Pallas needs --topology); "
+                             "'optax' is the dense optax code users write today, as a baseline")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=None)
@@ -255,7 +288,8 @@ def main(argv=None):
     strategies = [s for s in args.strategies.split(",") if s]
     import recloss
     for s in strategies:
-        recloss.get_strategy(s)  # unknown names fail here, with suggestions
+        if s != OPTAX:
+            recloss.get_strategy(s)  # unknown names fail here, with suggestions
     shape = dict(QUICK_SHAPE if args.quick else DEFAULT_SHAPE)
     for k in shape:
         if getattr(args, k) is not None:
@@ -267,6 +301,9 @@ def main(argv=None):
         from recloss.bench import topology
         if args.strategies == parser.get_default("strategies"):
             strategies = ["dense_bce", "cutbce", "cutbce_pallas"]
+        elif OPTAX in strategies:
+            parser.error("--strategies optax is a CPU timing baseline; --topology compiles registered "
+                         f"strategies only ({', '.join(recloss.available_strategies())})")
         shapes = _topology_shapes(parser, args.shapes, topology)
         rows = []
         for i, shape in enumerate(shapes):

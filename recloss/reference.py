@@ -34,7 +34,7 @@ def bernoulli_parts(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = 
     coefficient is 0 are skipped at trace time. The gradient is None when
     ``grad=False``. With γ = 0 the value comes in parts (kq·relu(x),
     kp·relu(−x), (kq + kp)·log1p(exp(−|x|))): a blocked pass reduces each part
-    on its own, which XLA:CPU runs ~10% faster than reducing their sum.
+    on its own, which XLA:CPU runs ~10% faster than reducing their sum (loss-only sweep).
     """
     x = x.astype(jnp.float32)
     gamma = float(opts.focal_gamma)
@@ -46,44 +46,37 @@ def bernoulli_parts(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = 
     e = jnp.exp(-jnp.abs(x))
     log_term = jnp.log1p(e)
     relu = jnp.maximum(x, 0.0)
-    sp_pos = relu + log_term               # softplus(x)
-    sp_neg = sp_pos - x                    # softplus(-x)
-    if gamma != 0.0:
-        inv = 1.0 / (1.0 + e)
-        s = jnp.where(x >= 0, inv, e * inv)    # σ(x)
-        one_minus_s = jnp.where(x >= 0, e * inv, inv)
-    elif grad:
-        # σ(±x) = 1/(1 + exp(∓x)) rather than from `e`: not sharing exp(−|x|)
-        # lets XLA:CPU keep the loss and the gradient in separate fusions
-        # without materialising `e` (~7% of the fused pass on CPU).
-        # Both are exact in relative terms for either sign of x.
-        s = jax.nn.sigmoid(x) if use_q else None
-        one_minus_s = jax.nn.sigmoid(-x) if use_p else None
-
     # Terms are added only where present: a zeros_like start would be a
     # materialised tile in XLA:CPU's loop body.
     terms, dterms = [], []
     if gamma == 0.0:
+        # sp(x) = relu(x) + log_term and sp(−x) = relu(−x) + log_term.
         if use_q:
             terms.append(kq * relu)
         if use_p:
             terms.append(kp * jnp.maximum(-x, 0.0))
         if use_p or use_q:
             terms.append((kq + kp) * log_term)
-    if use_q:
-        if gamma == 0.0:
-            if grad:
-                dterms.append(kq * s)
-        else:
+        # σ(±x) = 1/(1 + exp(∓x)) rather than from `e`: not sharing exp(−|x|)
+        # lets XLA:CPU keep the loss and the gradient in separate fusions
+        # without materialising `e` (~9% of the fused pass on CPU).
+        # Both are exact in relative terms for either sign of x.
+        if grad and use_q:
+            dterms.append(kq * jax.nn.sigmoid(x))
+        if grad and use_p:
+            dterms.append(-kp * jax.nn.sigmoid(-x))
+    else:
+        sp_pos = relu + log_term               # softplus(x)
+        sp_neg = sp_pos - x                    # softplus(-x)
+        inv = 1.0 / (1.0 + e)
+        s = jnp.where(x >= 0, inv, e * inv)    # σ(x)
+        one_minus_s = jnp.where(x >= 0, e * inv, inv)
+        if use_q:
             s_pow = jnp.exp(-gamma * sp_neg)   # s^γ
             terms.append(kq * s_pow * sp_pos)
             if grad:
                 dterms.append(kq * s_pow * (gamma * one_minus_s * sp_pos + s))
-    if use_p:
-        if gamma == 0.0:
-            if grad:
-                dterms.append(-kp * one_minus_s)
-        else:
+        if use_p:
             t_pow = jnp.exp(-gamma * sp_pos)   # (1−s)^γ
             terms.append(kp * t_pow * sp_neg)
             if grad:

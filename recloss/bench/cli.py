@@ -48,6 +48,7 @@ class Row:
     strategy: str
     flops_per_logit_dim: int      # nominal matmul flops = this × BN·V·D
     options: dict
+    short: str                    # its name in the per-round progress line
     matmuls_only: bool = False    # the same blocked sweep with the loss math replaced by identity
     fn: Optional[Callable] = None
     temp_bytes: int = 0
@@ -64,13 +65,13 @@ def _rows(strategies):
     rows = []
     for name in strategies:
         if name == "cutbce":
-            rows.append(Row("cutbce (fused)", name, 6, {}))
-            rows.append(Row("cutbce (recompute, paper design)", name, 8, {"reduction": "none"}))
-            rows.append(Row(MATMULS_ONLY, name, 6, {}, matmuls_only=True))
+            rows.append(Row("cutbce (fused)", name, 6, {}, "cutbce"))
+            rows.append(Row("cutbce (recompute, paper design)", name, 8, {"reduction": "none"}, "recompute"))
+            rows.append(Row(MATMULS_ONLY, name, 6, {}, "matmuls", matmuls_only=True))
         elif name == OPTAX:
-            rows.append(Row(OPTAX_LABEL, name, 6, {}))
+            rows.append(Row(OPTAX_LABEL, name, 6, {}, "optax"))
         else:
-            rows.append(Row(name, name, 6, {}))
+            rows.append(Row(name, name, 6, {}, name))
     return rows
 
 
@@ -112,11 +113,6 @@ def _build(row: Row, inputs, block_v):
     row.compile_s = time.perf_counter() - t0
     row.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
     row.fn = compiled
-
-
-def _short(row: Row) -> str:
-    return row.label.split(" (")[0].replace("cutbce blocked matmuls only", "matmuls") + (
-        " recompute" if row.options.get("reduction") == "none" else "")
 
 
 def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed: int = 0):
@@ -171,7 +167,7 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
         done = rep + 1
         eta = (time.perf_counter() - start) / done * (repeats - done)
         _log(f"[bench] round {done}/{repeats}  " + "  ".join(
-            f"{_short(r)}={r.times[-1]:.2f}s" for r in rows) + f"  eta {eta:.0f}s")
+            f"{r.short}={r.times[-1]:.2f}s" for r in rows) + f"  eta {eta:.0f}s")
     matmul_rate = 2 * 2048 ** 3 / float(np.median(mm_times))
     bn = b * n
     base = next((r for r in rows if r.strategy == "dense_bce"), None)

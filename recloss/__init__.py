@@ -1,20 +1,15 @@
-"""recloss: exact full-catalogue binary cross-entropy for JAX recommenders.
+"""recloss: exact full-catalogue losses for JAX recommenders, without the [batch, seq, vocab] logits.
 
     out = recloss.bce_loss(hidden, table, targets, weights, strategy="cutbce")
     out.loss, out.metrics["tp"]
 """
 
+from recloss.api import bce_loss
+from recloss.assemble import LossOutput
 from recloss.options import LossOptions
-from recloss.registry import (
-    LossOutput,
-    Strategy,
-    available_strategies,
-    bce_loss,
-    get_strategy,
-    register_strategy,
-)
+from recloss.registry import available_strategies, get_strategy, register_strategy
 from recloss.sharding import MeshLayout, Specs, padded_vocab_size
-import recloss.pallas  # registers cutbce_pallas
+from recloss.strategy import Strategy
 
 __all__ = [
     "LossOptions",

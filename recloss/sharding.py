@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from recloss import _compat
-from recloss.registry import LossOutput, Reducer, assemble
+from recloss.assemble import LossOutput, Reducer, assemble
 
 _LANES = 128
 
@@ -195,9 +195,8 @@ class Specs:
     metrics: P
 
 
-def default_specs(layout: MeshLayout, options=None) -> Specs:
-    """Specs of DESIGN.md "Sharding": batch over batch_axes, table rows over (vocab, fsdp)."""
-    del options  # every current strategy uses the same layout
+def default_specs(layout: MeshLayout) -> Specs:
+    """Specs of docs/design.md "Sharding": batch over batch_axes, table rows over (vocab, fsdp)."""
     b = _spec_entry(layout.batch_axes)
     t = _spec_entry(layout.table_axes)
     return Specs(hidden=P(b, None), targets=P(b, None), weights=P(b), table=P(t, None), bias=P(t),
@@ -209,7 +208,7 @@ def _psum_over(axes):
 
 
 def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_size: int) -> LossOutput:
-    """The loss of ``strategy`` under ``layout`` (called by `Strategy.__call__`).
+    """The loss of ``strategy`` under ``layout`` (called by `recloss.Strategy.__call__`).
 
     Args:
       hidden [M, D], table [V, D], bias [V] or None, targets [M, L] global ids,
@@ -247,7 +246,7 @@ def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_
     args = (hidden, table, targets, w) + (() if bias is None else (bias,))
     in_specs = (specs.hidden, specs.table, specs.targets, specs.weights) + (
         () if bias is None else (specs.bias,))
-    # check_vma=False: strategies keep untyped scan carries (cut.py's zeros
+    # check_vma=False: strategies keep untyped scan carries (bce/cut.py's zeros
     # init) and pallas_call out_shapes, which check_vma=True rejects. Gradients
     # stay exact: shard_map divides an output's cotangent by the size of the
     # axes its spec leaves out and psums an input's cotangent over the axes

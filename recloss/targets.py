@@ -1,4 +1,4 @@
-"""Target ids: padding, duplicates, invalid ids, vocab offsets and the sparse correction.
+"""Target ids: padding, duplicates, invalid ids, vocab offsets and the gather of target logits.
 
 A position's target set T is its unique ids in ``[0, vocab_size)``; ``pad_id``
 is padding; any other id is ignored and counted as invalid. On a vocab shard
@@ -8,10 +8,7 @@ ids are corrected there, so summing shards gives each target exactly once.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-
-from recloss.options import LossOptions
 
 
 def unique_sorted(targets):
@@ -46,28 +43,17 @@ def invalid_count(targets, pad_id: int, vocab_size: int):
     return jnp.sum(bad, dtype=jnp.float32)
 
 
-def correction(hidden, table, bias, ids, valid, opts: LossOptions):
-    """The sparse part of the loss: Σ_{t∈T} (1 − ε)·[P(x_t) − Q(x_t)] per row.
+def gather_logits(hidden, table, bias, ids):
+    """Logits of the gathered target ids: x[m, l] = hidden[m] · table[ids[m, l]] + bias[ids[m, l]].
 
     Args:
       hidden: [M, D]; table: [V_local, D]; bias: [V_local] or None;
-      ids, valid: from `local_targets`, [M, L].
+      ids: [M, L] local ids from `local_targets` (0 where invalid: mask with ``valid``).
     Returns:
-      (correction [M] float32, differentiable; target logits [M, L] float32,
-      gradient stopped, for the metrics). Costs O(M·L·D).
+      [M, L] float32, differentiable in hidden, table and bias. Costs O(M·L·D).
     """
-    from recloss.reference import bernoulli_value  # reference imports this module
-
     rows = jnp.take(table, ids, axis=0)                    # [M, L, D]
     x = jnp.einsum("md,mld->ml", hidden, rows, preferred_element_type=jnp.float32)
     if bias is not None:
         x = x + jnp.take(bias, ids, axis=0).astype(jnp.float32)
-    c = opts.correction
-    value = bernoulli_value(x, opts, c, -c)
-    return jnp.sum(jnp.where(valid, value, 0.0), axis=-1), jax.lax.stop_gradient(x)
-
-
-def target_counts(target_logits, valid, threshold: float):
-    """Per-row (true positives, number of targets) from the target logits."""
-    hit = valid & (target_logits > threshold)
-    return jnp.sum(hit, axis=-1, dtype=jnp.float32), jnp.sum(valid, axis=-1, dtype=jnp.float32)
+    return x

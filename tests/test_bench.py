@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from recloss import cut
+from recloss.bce import cut
 from recloss.bench import cli
 
 SMALL = ["--batch", "2", "--seq", "24", "--vocab", "3001", "--dim", "20", "--labels", "3", "--repeats", "2"]

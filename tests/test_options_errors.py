@@ -14,6 +14,7 @@ import pytest
 
 import recloss
 from recloss import registry
+from recloss.bce.strategies import CutBCE, DenseBCE
 from conftest import strategies
 
 STRATEGIES = strategies()
@@ -209,7 +210,7 @@ def scratch_registry(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
 
 
-class _Doubled(registry.DenseBCE):
+class _Doubled(DenseBCE):
     """A custom strategy whose loss is provably different: twice dense_bce."""
     name = "doubled_dense"
 
@@ -243,24 +244,24 @@ def test_register_and_get_strategy_roundtrip(scratch_registry, inputs):
                                                                      label_smoothing=0.1).loss), rtol=1e-6)
 
     # Registering a name again replaces the factory.
-    recloss.register_strategy("doubled_dense", registry.DenseBCE)
+    recloss.register_strategy("doubled_dense", DenseBCE)
     np.testing.assert_allclose(float(_call("doubled_dense", inputs).loss), float(_call("dense_bce", inputs).loss),
                                rtol=1e-6)
 
 
 def test_register_strategy_rejects_bad_arguments(scratch_registry):
     with pytest.raises(ValueError) as info:
-        recloss.register_strategy("", registry.CutBCE)
+        recloss.register_strategy("", CutBCE)
     assert "''" in str(info.value)
     with pytest.raises(ValueError):
-        recloss.register_strategy(None, registry.CutBCE)
+        recloss.register_strategy(None, CutBCE)
     with pytest.raises(TypeError) as info:
         recloss.register_strategy("broken", 3)
     assert "'broken'" in str(info.value) and "3" in str(info.value)
     assert "broken" not in recloss.available_strategies()
 
 
-class _TpuOnly(registry.CutBCE):
+class _TpuOnly(CutBCE):
     name = "tpu_only"
     platforms = ("tpu",)
 

@@ -31,7 +31,7 @@ OPTAX_LABEL = "optax.sigmoid_binary_cross_entropy (dense, autodiff)"
 def _identity_loss_math():
     """Traces `cutbce` with value = dvalue = logit: what is left is its three blocked matmuls
     and their bookkeeping, the ceiling of the fused pass on this machine (not a loss)."""
-    from recloss import cut
+    from recloss.bce import cut
 
     saved = cut.bernoulli_parts
     cut.bernoulli_parts = lambda x, *args, **kwargs: ((x,), x if kwargs.get("grad", True) else None)

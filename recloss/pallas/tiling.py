@@ -1,4 +1,4 @@
-"""Block sizes and VMEM budgets for the Mosaic-TPU kernel (`recloss.pallas.tpu`).
+"""Block sizes and VMEM budgets for the Mosaic-TPU kernels (the BCE one: `recloss.bce.kernel`).
 
 One kernel call keeps a row tile resident in VMEM and walks vocabulary blocks:
 

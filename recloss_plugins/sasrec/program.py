@@ -146,10 +146,10 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None) -> Program:
     platform = layout.platform
     rows = recloss.padded_vocab_size(vocab_size, layout)
     strategy = recloss.get_strategy(cfg.loss, loss_options(cfg, vocab_size=vocab_size))
-    if not strategy.supported_on(platform):
-        others = [n for n in recloss.available_strategies() if recloss.get_strategy(n).supported_on(platform)]
-        raise ValueError(f"config key 'loss': strategy {cfg.loss!r} does not run on {platform!r}; "
-                         f"strategies that do: {others}")
+    try:
+        strategy.check_platform(platform)
+    except ValueError as err:
+        raise ValueError(f"config key 'loss': {err}") from None
     specs = strategy.partition_specs(layout)
     b = batch_size or global_batch_size(cfg, layout, mesh.devices.size)
     tx, schedule = make_optimizer(cfg)

@@ -1,17 +1,13 @@
-"""Blocked pure-JAX BCE background over the vocabulary, with custom VJPs.
+"""Blocked pure-JAX sweep of the BCE background over the vocabulary (the `cutbce` plan).
 
 The dense, target-free background of every position,
 
     bg_i = Σ_v [ (ε/2)·P(x_iv) + (1 − ε/2)·Q(x_iv) ],   x_iv = a_i·e_v + b_v,
 
 is computed by walking the vocabulary in blocks of ``block_v`` rows of the
-table, never holding more than ``block_n × block_v`` logits. Two VJPs:
-
-* `background_total` (scalar loss): the fwd rule is the fused single pass —
-  loss, dA, dE, db in one sweep (6·M·V·D flops); bwd only scales them.
-  Its primal (no gradient taken) is the loss-only sweep (2·M·V·D).
-* `background_rows` (per-row loss, reduction='none'): fwd is the loss-only
-  sweep; bwd recomputes each block and scales G row-wise by the cotangent.
+table (lax.scan), each block in row tiles of ``block_n``, never holding more
+than ``block_n × block_v`` logits. `Plan.sweep` implements the modes of
+`recloss.sweep` ('loss', 'fused', 'grad'), which supplies the custom VJPs.
 
 dE blocks are emitted by the scan (one write each), never a carried [V, D].
 """
@@ -25,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from recloss.options import LossOptions
-from recloss.reference import bernoulli_parts
+from recloss.bce.bernoulli import bernoulli_parts
 
 # Default vocab block (a divisor of V_local within a factor 2 below it when one exists).
 _BLOCK_V = 2048
@@ -41,13 +37,21 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_MODES = {"loss": (True, False), "fused": (True, True), "grad": (False, True)}   # (want_loss, want_grad)
+
+
 class Plan(NamedTuple):
-    """Static configuration of one blocked sweep."""
+    """Static configuration of one blocked sweep (hashable: a custom-VJP static argument)."""
     opts: LossOptions
     vocab_size: int       # real V (global); columns at or past it are inert
     block_v: int
     block_n: int          # rows per logit tile: each vocab block is walked in row tiles
     mask: bool            # whether columns need masking (padding, vocab_size, traced offset)
+
+    def sweep(self, mode: str, a, e, b, r, vocab_offset):
+        """One sweep in ``mode`` ('loss', 'fused', 'grad'); see `recloss.sweep` for the contract."""
+        want_loss, want_grad = _MODES[mode]
+        return _sweep(a, e, b, r, vocab_offset, self, want_loss=want_loss, want_grad=want_grad)
 
 
 def plan(m: int, v_local: int, opts: LossOptions, *, vocab_size: int, static_offset: Optional[int]) -> Plan:
@@ -79,7 +83,7 @@ def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: boo
 
     Full blocks are read in place with dynamic slices; a shorter tail block (when
     block_v does not divide V_local) is one extra step. r [M] scales each row's
-    gradient (ignored when want_grad is False).
+    gradient (unused, and may be None, when want_grad is False).
     Returns (bg rows [M] f32, predicted-positive rows [M] f32, dA [M, D] f32,
     dE [V_local, D] f32, db [V_local] f32 or None); entries not asked for are None.
     """
@@ -95,7 +99,7 @@ def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: boo
     mp = _cdiv(m, bn) * bn
     if mp != m:   # padded rows: zero hidden, zero scale; their sums are dropped
         a = jnp.pad(a, ((0, mp - m), (0, 0)))
-        r = jnp.pad(r, (0, mp - m))
+        r = None if r is None else jnp.pad(r, (0, mp - m))
 
     def tile(a_s, r_s, e_j, b_j, live):
         """Loss/count row sums, dA rows, dE_j and db_j contributions of one [rows, bv] logit tile."""
@@ -135,7 +139,7 @@ def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: boo
 
         def sub(c, i):
             a_s = jax.lax.dynamic_slice_in_dim(a, i * bn, bn)
-            r_s = jax.lax.dynamic_slice_in_dim(r, i * bn, bn)
+            r_s = None if r is None else jax.lax.dynamic_slice_in_dim(r, i * bn, bn)
             t = tile(a_s, r_s, e_j, b_j, live)
             c = dict(c)
             for k in row_keys:
@@ -175,62 +179,3 @@ def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: boo
         outs = {k: jnp.concatenate([outs[k], last[k]]) for k in outs}
     rows = lambda k: carry[k][:m] if k in carry else None
     return rows("bg"), rows("pred"), rows("da"), outs.get("de"), outs.get("db")
-
-
-def _cast_grads(a, e, b, da, de, db, scale):
-    return (
-        (da * scale).astype(a.dtype),
-        (de * scale).astype(e.dtype),
-        None if b is None else (db * scale).astype(b.dtype),
-    )
-
-
-# ----------------------------------------------------------------- scalar loss, fused
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def background_total(a, e, b, r, vocab_offset, p: Plan):
-    """Σ_i r_i·bg_i and predicted-positive counts per row.
-
-    a [M, D], e [V_local, D], b [V_local] or None, r [M] f32 row scales,
-    vocab_offset: global id of e's row 0. Returns (scalar f32, pred [M] f32 or None).
-    """
-    bg, pred, *_ = _sweep(a, e, b, r, vocab_offset, p, want_loss=True, want_grad=False)
-    return jnp.sum(r * bg), pred
-
-
-def _total_fwd(a, e, b, r, vocab_offset, p):
-    bg, pred, da, de, db = _sweep(a, e, b, r, vocab_offset, p, want_loss=True, want_grad=True)
-    return (jnp.sum(r * bg), pred), (bg, da, de, db, a, e, b, vocab_offset)
-
-
-def _total_bwd(p, res, cts):
-    bg, da, de, db, a, e, b, vocab_offset = res
-    g = cts[0]
-    ga, ge, gb = _cast_grads(a, e, b, da, de, db, g)
-    return ga, ge, gb, (g * bg).astype(jnp.float32), None
-
-
-background_total.defvjp(_total_fwd, _total_bwd)
-
-
-# ----------------------------------------------------------------- per-row loss, recompute
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def background_rows(a, e, b, vocab_offset, p: Plan):
-    """Per-row background bg [M] f32 and predicted-positive counts [M] (or None)."""
-    ones = jnp.ones((a.shape[0],), jnp.float32)
-    bg, pred, *_ = _sweep(a, e, b, ones, vocab_offset, p, want_loss=True, want_grad=False)
-    return bg, pred
-
-
-def _rows_fwd(a, e, b, vocab_offset, p):
-    return background_rows(a, e, b, vocab_offset, p), (a, e, b, vocab_offset)
-
-
-def _rows_bwd(p, res, cts):
-    a, e, b, vocab_offset = res
-    ct = cts[0].astype(jnp.float32)
-    _, _, da, de, db = _sweep(a, e, b, ct, vocab_offset, p, want_loss=False, want_grad=True)
-    ga, ge, gb = _cast_grads(a, e, b, da, de, db, 1.0)
-    return ga, ge, gb, None
-
-
-background_rows.defvjp(_rows_fwd, _rows_bwd)

@@ -1,7 +1,10 @@
-"""The Bernoulli loss terms (P, Q) and the dense reference op (`dense_bce`).
+"""The Bernoulli loss terms (P, Q) of the multi-label BCE objective, and its sparse target correction.
 
-Every strategy evaluates logits through `bernoulli_terms`, so the blocked
-passes and the dense baseline cannot drift apart in their math.
+Every BCE strategy evaluates logits through `bernoulli_parts`/`bernoulli_terms`,
+so the blocked passes, the Pallas kernel and the dense baseline cannot drift
+apart in their math. With soft label y' = y(1−ε) + ε/2 the element loss
+y'·P + (1−y')·Q is linear in y', so a position's loss is a target-free
+background Σ_v [(ε/2)·P + (1−ε/2)·Q] plus `correction` over its targets.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from recloss.options import LossOptions
-from recloss import targets as targets_lib
 
 
 def bernoulli_terms(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = True):
@@ -110,34 +112,22 @@ def elementwise_loss(x, y, opts: LossOptions):
     return ysoft * bernoulli_value(x, opts, 1.0, 0.0) + (1.0 - ysoft) * bernoulli_value(x, opts, 0.0, 1.0)
 
 
-def dense_bce(hidden, table, bias, targets, row_weights, opts: LossOptions, *, vocab_offset=0,
-              vocab_size: int):
-    """Dense baseline on one shard: logits [M, V_local] and a multi-hot label matrix.
+
+def correction(target_logits, valid, opts: LossOptions):
+    """The sparse part of the loss: Σ_{t∈T} (1 − ε)·[P(x_t) − Q(x_t)] per row.
 
     Args:
-      hidden: [M, D]; table: [V_local, D]; bias: [V_local] or None;
-      targets: [M, L] global ids; row_weights: [M] float32 scale applied to
-      each position's (already vocab-reduced) loss.
-      vocab_offset: global id of table row 0. vocab_size: the real V.
+      target_logits: [M, L] float32 logits of the target ids (`targets.gather_logits`).
+      valid: [M, L] bool, from `targets.local_targets`.
     Returns:
-      (weighted loss rows [M], per-row metric counts dict) — see `targets.row_counts`.
+      correction [M] float32, differentiable through ``target_logits``.
     """
-    m, v_local = hidden.shape[0], table.shape[0]
-    logits = jnp.dot(hidden, table.T, preferred_element_type=jnp.float32)
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)[None, :]
-    ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, v_local, vocab_size)
-    rows = jnp.broadcast_to(jnp.arange(m)[:, None], ids.shape)
-    labels = jnp.zeros((m, v_local), jnp.float32).at[rows, jnp.where(valid, ids, v_local)].set(
-        1.0, mode="drop")
-    live = (jnp.arange(v_local) + vocab_offset) < vocab_size
-    per_logit = jnp.where(live[None, :], elementwise_loss(logits, labels, opts), 0.0)
-    loss_rows = row_weights * jnp.sum(per_logit, axis=-1)
-    pred = jnp.where(live[None, :], logits > opts.threshold, False)
-    stop = jax.lax.stop_gradient
-    counts = {
-        "predicted": jnp.sum(stop(pred), axis=-1, dtype=jnp.float32),
-        "tp": jnp.sum(stop(pred) & (labels > 0), axis=-1, dtype=jnp.float32),
-        "targets": jnp.sum(labels, axis=-1),
-    }
-    return loss_rows, counts
+    c = opts.correction
+    value = bernoulli_value(target_logits, opts, c, -c)
+    return jnp.sum(jnp.where(valid, value, 0.0), axis=-1)
+
+
+def target_counts(target_logits, valid, threshold: float):
+    """Per-row (true positives, number of targets) from the target logits [M, L]."""
+    hit = valid & (target_logits > threshold)
+    return jnp.sum(hit, axis=-1, dtype=jnp.float32), jnp.sum(valid, axis=-1, dtype=jnp.float32)

@@ -1,4 +1,4 @@
-"""Mosaic-TPU Pallas kernel for the CutBCE background and its custom VJPs.
+"""Mosaic-TPU Pallas kernel for the CutBCE background (the `cutbce_pallas` plan).
 
 The background of rows a_i [M, D] against a table shard E [V_local, D],
 
@@ -23,7 +23,7 @@ do not fit VMEM, a `lax.scan` over row chunks accumulates dE/db in HBM (f32,
 aliased in place).
 
 Modes: 'fused' (loss + all gradients, 6·M·V·D flops), 'loss' (2·M·V·D) and
-'grad' (recompute, 4·M·V·D).
+'grad' (recompute, 4·M·V·D); `recloss.sweep` supplies the custom VJPs.
 """
 
 from __future__ import annotations
@@ -36,22 +36,25 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from recloss import cut
 from recloss._compat import tpu_compiler_params
+from recloss.bce.bernoulli import bernoulli_terms
 from recloss.options import LossOptions
 from recloss.pallas import tiling
-from recloss.reference import bernoulli_terms
 
 _LANES = tiling.LANES
 
 
 class Plan(NamedTuple):
-    """Static configuration of one background evaluation (hashable)."""
+    """Static configuration of one background evaluation (hashable: a custom-VJP static argument)."""
     opts: LossOptions
     vocab_size: int                  # real V (global); columns at or past it are inert
     static_offset: Optional[int]     # vocab_offset when it is a Python int, else None
     chip: tiling.Chip
     interpret: Any                   # False, True or a pltpu.InterpretParams
+
+    def sweep(self, mode: str, a, e, b, r, vocab_offset):
+        """One kernel sweep in ``mode``; see `sweep` below and `recloss.sweep` for the contract."""
+        return sweep(mode, a, e, b, r, vocab_offset, self)
 
 
 def _lane_fold(x):
@@ -275,53 +278,3 @@ def sweep(mode: str, a, e, b, r, vocab_offset, plan: Plan):
     de = None if de is None else (de if dp == d else de[:, :d])
     db = None if db is None else db.reshape(v)
     return bg, cnt, da, de, db
-
-
-# ----------------------------------------------------------------- scalar loss, fused
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def background_total(a, e, b, r, vocab_offset, plan: Plan):
-    """Σ_i r_i·bg_i (f32 scalar) and predicted-positive counts [M] f32 (or None).
-
-    a [M, D], e [V_local, D], b [V_local] or None, r [M] f32 row scales,
-    vocab_offset: int32 scalar, global id of e's row 0. Without a gradient this
-    is the loss-only sweep; the VJP's forward is the fused sweep.
-    """
-    bg, cnt, *_ = sweep("loss", a, e, b, None, vocab_offset, plan)
-    return jnp.sum(r * bg), cnt
-
-
-def _total_fwd(a, e, b, r, vocab_offset, plan):
-    bg, cnt, da, de, db = sweep("fused", a, e, b, r, vocab_offset, plan)
-    return (jnp.sum(r * bg), cnt), (bg, da, de, db, a, e, b)
-
-
-def _total_bwd(plan, res, cts):
-    bg, da, de, db, a, e, b = res
-    g = cts[0]
-    ga, ge, gb = cut._cast_grads(a, e, b, da, de, db, g)
-    return ga, ge, gb, (g * bg).astype(jnp.float32), None
-
-
-background_total.defvjp(_total_fwd, _total_bwd)
-
-
-# ----------------------------------------------------------------- per-row loss, recompute
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def background_rows(a, e, b, vocab_offset, plan: Plan):
-    """Per-row background bg [M] f32 and predicted-positive counts [M] f32 (or None)."""
-    bg, cnt, *_ = sweep("loss", a, e, b, None, vocab_offset, plan)
-    return bg, cnt
-
-
-def _rows_fwd(a, e, b, vocab_offset, plan):
-    return background_rows(a, e, b, vocab_offset, plan), (a, e, b, vocab_offset)
-
-
-def _rows_bwd(plan, res, cts):
-    a, e, b, vocab_offset = res
-    _, _, da, de, db = sweep("grad", a, e, b, cts[0].astype(jnp.float32), vocab_offset, plan)
-    ga, ge, gb = cut._cast_grads(a, e, b, da, de, db, 1.0)
-    return ga, ge, gb, None
-
-
-background_rows.defvjp(_rows_fwd, _rows_bwd)

@@ -1,0 +1,146 @@
+"""The BCE strategies: `dense_bce` (baseline), `cutbce` (blocked pure JAX), `cutbce_pallas` (Mosaic TPU).
+
+The blocked strategies share the sparse target correction and the metrics;
+they differ only in the plan their dense background is swept with
+(`recloss.bce.cut.Plan` or `recloss.bce.kernel.Plan`), both run through the
+custom-VJP shells of `recloss.sweep`.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from recloss import sweep, targets as targets_lib
+from recloss.bce import bernoulli, cut, dense, kernel
+from recloss.options import LossOptions
+from recloss.pallas import tiling
+from recloss.strategy import Strategy
+
+
+class DenseBCE(Strategy):
+    """Materialises logits [M, V] and a multi-hot label matrix; autodiff gradients.
+
+    The baseline a user writes today; memory O(M·V)."""
+
+    name = "dense_bce"
+    objective = "bce"
+
+    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar,
+                   platform):
+        rows, counts = dense.dense_bce(hidden, table, bias, targets, row_scale, self.options,
+                                       vocab_offset=vocab_offset, vocab_size=vocab_size)
+        if not self.options.compute_metrics:
+            counts = {"targets": counts["targets"]}
+        return (jnp.sum(rows) if scalar else rows), counts
+
+
+class CutBCE(Strategy):
+    """Pure-JAX blocked pass (lax.scan over vocab blocks) with a fused single-pass VJP.
+
+    Memory O(block_n·block_v + V·D); 6·M·V·D flops for loss+grad of a scalar loss."""
+
+    name = "cutbce"
+    objective = "bce"
+
+    def plan(self, m: int, v_local: int, vocab_offset, *, vocab_size: int, platform: str):
+        """(plan, offset): the static plan of the background sweep (`recloss.sweep`) for M rows and a
+        V_local-row table, and the vocab offset in the form that plan takes. Subclasses swap the kernel."""
+        static = vocab_offset if isinstance(vocab_offset, int) else None
+        return cut.plan(m, v_local, self.options, vocab_size=vocab_size, static_offset=static), vocab_offset
+
+    def background(self, hidden, table, bias, row_scale, vocab_offset, *, vocab_size, scalar, platform):
+        """(Σ r·bg or bg rows [M], predicted counts [M] or None): the dense part of the loss."""
+        p, vocab_offset = self.plan(hidden.shape[0], table.shape[0], vocab_offset, vocab_size=vocab_size,
+                                    platform=platform)
+        if scalar:
+            return sweep.background_total(hidden, table, bias, row_scale, vocab_offset, p)
+        return sweep.background_rows(hidden, table, bias, vocab_offset, p)
+
+    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar,
+                   platform):
+        opts = self.options
+        ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, table.shape[0],
+                                               vocab_size)
+        x = targets_lib.gather_logits(hidden, table, bias, ids)
+        corr = bernoulli.correction(x, valid, opts)
+        target_logits = jax.lax.stop_gradient(x)
+        bg, predicted = self.background(hidden, table, bias, row_scale, vocab_offset,
+                                        vocab_size=vocab_size, scalar=scalar, platform=platform)
+        loss = bg + jnp.sum(row_scale * corr) if scalar else row_scale * (bg + corr)
+        tp, n = bernoulli.target_counts(target_logits, valid, opts.threshold)
+        counts = {"targets": n}
+        if opts.compute_metrics:
+            counts.update(predicted=predicted, tp=tp)
+        return loss, counts
+
+
+_warned = False
+_warn_lock = threading.Lock()
+
+
+def _warn_interpret_once():
+    global _warned
+    with _warn_lock:
+        if _warned:
+            return
+        _warned = True
+    warnings.warn("strategy 'cutbce_pallas' is running its Pallas kernel in interpret mode "
+                  "(slow; meant for testing on CPU). On TPU it compiles with Mosaic; elsewhere "
+                  "use strategy='cutbce'.", RuntimeWarning, stacklevel=3)
+
+
+class CutBCEPallas(CutBCE):
+    """CutBCE with the background as one fused Pallas (Mosaic-TPU) sweep.
+
+    Same sparse target correction and metrics as `CutBCE`. Memory O(bn·D + bv·D)
+    VMEM per core and O(V·D) HBM for dE; 6·M·V·D flops for loss+grad of a scalar
+    loss (loss-only: 2·M·V·D; reduction='none' backward recomputes with 4·M·V·D).
+    Runs on TPU; on CPU only in Pallas interpret mode (for tests); on GPU use 'cutbce'.
+
+    Args:
+      options: LossOptions (``block_n``/``block_v`` map to the kernel's row tile
+        and vocab block; ``interpret`` None = interpret off TPU).
+      chip: tile for this chip ('v4', 'v5e', 'v5p', 'v6e', 'v7') instead of the
+        detected one; a two-core chip also selects the split vocab grid.
+      interpret_params: a ``pltpu.InterpretParams`` used whenever the kernel
+        runs in interpret mode (e.g. ``detect_races=True``).
+    """
+
+    name = "cutbce_pallas"
+    platforms = ("cpu", "tpu")
+
+    def __init__(self, options: LossOptions, *, chip: Optional[str] = None, interpret_params: Any = None):
+        super().__init__(options)
+        if chip is not None:
+            tiling.get_chip(chip)          # validates the name
+        self.chip = chip
+        self.interpret_params = interpret_params
+
+    def check_platform(self, platform: str):
+        if platform == "gpu":
+            raise ValueError("strategy 'cutbce_pallas' is a Mosaic-TPU Pallas kernel and does not run on "
+                             "platform 'gpu'; use strategy='cutbce' (blocked pure JAX, same math and "
+                             "fused gradient) instead")
+        super().check_platform(platform)
+
+    def interpret(self, platform: str) -> bool:
+        """Whether the kernel runs in Pallas interpret mode on ``platform``."""
+        if self.options.interpret is not None:
+            return self.options.interpret
+        return platform != "tpu"
+
+    def plan(self, m: int, v_local: int, vocab_offset, *, vocab_size: int, platform: str):
+        if m == 0:   # no rows: nothing for a kernel grid to walk; the pure-JAX sweep gives the empty sums
+            return super().plan(m, v_local, vocab_offset, vocab_size=vocab_size, platform=platform)
+        interpret = self.interpret(platform)
+        if interpret and platform != "tpu":
+            _warn_interpret_once()
+        mode = (self.interpret_params or True) if interpret else False
+        static = vocab_offset if isinstance(vocab_offset, int) else None
+        p = kernel.Plan(self.options, int(vocab_size), static, tiling.get_chip(self.chip), mode)
+        return p, jnp.asarray(vocab_offset, jnp.int32)

@@ -1,0 +1,142 @@
+"""The strategy protocol: what every implementation of an objective is, and how it is called.
+
+A `Strategy` validates the arrays it is called with, flattens the leading
+dims to M positions, checks its platform, and runs its `local_loss` on one
+device (`recloss.assemble`) or under shard_map (`recloss.sharding`).
+Objectives subclass it (`recloss.bce.strategies`); `recloss.api` names them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recloss import registry, sharding
+from recloss.assemble import LossOutput, assemble
+from recloss.options import LossOptions
+
+
+class Strategy:
+    """A named implementation of the loss. Call it like `recloss.bce_loss`.
+
+    Subclasses implement `local_loss` for one (batch, vocab) shard.
+    """
+
+    name: str = ""
+    platforms: tuple = ("cpu", "gpu", "tpu")
+
+    def __init__(self, options: LossOptions):
+        self.options = options
+
+    def __repr__(self):
+        return f"{type(self).__name__}(name={self.name!r}, options={self.options})"
+
+    def supported_on(self, platform: str) -> bool:
+        return platform in self.platforms
+
+    def check_platform(self, platform: str):
+        """Raises a ValueError naming the registered strategies that do run on ``platform``."""
+        if not self.supported_on(platform):
+            raise ValueError(f"strategy {self.name!r} does not run on platform {platform!r}; "
+                             f"strategies that do: {registry.strategies_on(platform)}")
+
+    def partition_specs(self, layout) -> sharding.Specs:
+        """PartitionSpecs of the loss's arrays under ``layout`` (a `recloss.MeshLayout`)."""
+        return sharding.default_specs(layout)
+
+    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size: int,
+                   scalar: bool, platform: str):
+        """One shard's loss part and per-row counts.
+
+        Args: hidden [M, D], table [V_local, D], bias [V_local] or None, targets
+        [M, L] global ids, row_scale [M] f32 (weight·vocab scale / normaliser),
+        vocab_offset: global id of table row 0 (int or traced scalar),
+        platform: where the computation will run ('cpu', 'gpu', 'tpu').
+        Returns: (Σ_i row_scale_i·ℓ_i if scalar else row_scale·ℓ [M], counts dict of [M] f32).
+        """
+        raise NotImplementedError
+
+    def __call__(self, hidden, table, targets, weights=None, bias=None, *, layout=None) -> LossOutput:
+        hidden, table, targets, weights, bias = _validate(hidden, table, targets, weights, bias)
+        platform = _platform(layout)
+        self.check_platform(platform)
+        lead = hidden.shape[:-1]
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        t2 = targets.reshape(-1, targets.shape[-1])
+        w = (jnp.ones(h2.shape[:1], jnp.float32) if weights is None
+             else weights.reshape(-1).astype(jnp.float32))
+        vocab_size = _vocab_size(self.options, table.shape[0])
+        if layout is not None:
+            out = sharding.run(self, h2, table, bias, t2, w, layout=layout, vocab_size=vocab_size)
+        else:
+            out = assemble(self, h2, table, bias, t2, w, vocab_offset=0, vocab_size=vocab_size,
+                           platform=platform)
+        if self.options.reduction == "none":
+            out = LossOutput(out.loss.reshape(lead), out.metrics)
+        return out
+
+
+# ------------------------------------------------------------------------- validation
+def _as_array(name, x):
+    if isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "shape") and hasattr(x, "dtype"):
+        return x
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from err
+
+
+def _validate(hidden, table, targets, weights, bias):
+    hidden, table, targets = (_as_array(n, x) for n, x in
+                              (("hidden", hidden), ("table", table), ("targets", targets)))
+    for name, x in (("hidden", hidden), ("table", table)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating array (float32 or bfloat16), got dtype {x.dtype}")
+    if hidden.ndim < 1:
+        raise ValueError(f"hidden must have shape [..., D], got a scalar")
+    if table.ndim != 2:
+        raise ValueError(f"table must have shape [V, D], got shape {tuple(table.shape)}")
+    if table.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"table has D={table.shape[1]} (shape {tuple(table.shape)}) but hidden has "
+                         f"D={hidden.shape[-1]} (shape {tuple(hidden.shape)}); they must match")
+    if table.shape[0] == 0:
+        raise ValueError("table must have at least one row, got shape "f"{tuple(table.shape)}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(f"targets must be an integer array of ids, got dtype {targets.dtype}")
+    if targets.ndim != hidden.ndim or targets.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1]) + ('L',)} to match hidden "
+                         f"{tuple(hidden.shape)}, got {tuple(targets.shape)}")
+    if targets.shape[-1] == 0:
+        raise ValueError(f"targets must have L >= 1 ids per position, got shape {tuple(targets.shape)}")
+    if weights is not None:
+        weights = _as_array("weights", weights)
+        if tuple(weights.shape) != tuple(hidden.shape[:-1]):
+            raise ValueError(f"weights must have shape {tuple(hidden.shape[:-1])} (hidden's leading "
+                             f"dims), got {tuple(weights.shape)}")
+        if not (jnp.issubdtype(weights.dtype, jnp.floating) or jnp.issubdtype(weights.dtype, jnp.integer)
+                or weights.dtype == jnp.bool_):
+            raise TypeError(f"weights must be numeric, got dtype {weights.dtype}")
+    if bias is not None:
+        bias = _as_array("bias", bias)
+        if tuple(bias.shape) != (table.shape[0],):
+            raise ValueError(f"bias must have shape ({table.shape[0]},) (one per table row), "
+                             f"got {tuple(bias.shape)}")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"bias must be a floating array, got dtype {bias.dtype}")
+    return hidden, table, targets, weights, bias
+
+
+def _vocab_size(opts: LossOptions, rows: int) -> int:
+    v = opts.vocab_size or rows
+    if v > rows:
+        raise ValueError(f"vocab_size={v} exceeds the table's {rows} rows; vocab_size must be <= rows "
+                         "(rows past vocab_size are padding)")
+    return v
+
+
+def _platform(layout) -> str:
+    """Platform of the layout's mesh (TPU when compiling for a TPU topology), else the default backend."""
+    if layout is not None:
+        return layout.platform
+    return jax.default_backend()

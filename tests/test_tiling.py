@@ -1,0 +1,37 @@
+"""recloss.pallas.tiling: the (8, 128) tiling rule, VMEM budgets and the chip table (no kernel runs)."""
+
+import jax.numpy as jnp
+import pytest
+
+import recloss
+from recloss.pallas import tiling
+
+
+@pytest.mark.parametrize("chip", sorted(tiling.CHIPS))
+def test_tiling_rules_and_budget(chip):
+    c = tiling.CHIPS[chip]
+    opts = recloss.LossOptions()
+    for mode in ("fused", "loss", "grad"):
+        for m, v, d, dt in ((4096, 876939, 128, jnp.float32), (4096, 876939, 128, jnp.bfloat16),
+                            (2048, 876939, 256, jnp.float32), (32768, 100000, 128, jnp.float32),
+                            (13, 300, 37, jnp.float32)):
+            t = tiling.choose(mode, m, v, d, dt, dt, opts, bias=True, chip=c)
+            assert t.bv % 128 == 0 and t.bs % tiling.sublanes(dt) == 0 and t.bn % t.bs == 0
+            assert t.rows >= m and t.d_pad % 128 == 0 and t.d_pad >= d
+            assert t.vmem_bytes <= c.budget_bytes < c.vmem_limit_bytes <= c.vmem_bytes
+            assert t.cores == min(c.cores, -(-v // t.bv))
+    # Too many rows for one resident tile → several chunks, each within budget.
+    t = tiling.choose("fused", 65536, 100000, 256, jnp.float32, jnp.float32, opts, bias=True,
+                      chip=tiling.CHIPS["v5p"])
+    assert t.num_chunks > 1 and t.vmem_bytes <= tiling.CHIPS["v5p"].budget_bytes
+
+
+def test_chip_from_device_kind():
+    assert tiling.chip_from_device_kind("TPU v6 lite").name == "v6e"
+    assert tiling.chip_from_device_kind("TPU v5 lite").name == "v5e"
+    v5p = tiling.chip_from_device_kind("TPU v5", num_cores=2)
+    assert (v5p.name, v5p.cores, v5p.vmem_bytes) == ("v5p", 2, 64 * tiling.MiB)
+    assert tiling.chip_from_device_kind("TPU v5", num_cores=1).cores == 1     # split mode
+    assert tiling.chip_from_device_kind("TPU7x").mxu == 256
+    assert tiling.chip_from_device_kind("cpu") is tiling.GENERIC
+    assert tiling.get_chip() is tiling.GENERIC      # CPU default device, no mesh

@@ -1,12 +1,14 @@
 """Config loading: base.yml completeness, overrides, inheritance, and the errors users see."""
 
 import re
+import types
 
 import pytest
 import yaml
 
-from recloss_plugins.config import (SCHEMA, ConfigError, default_config_path, dump_config, load_config,
-                                    loss_options)
+import recloss
+from recloss_plugins.config import (LOSS_OPTION_KEYS, SCHEMA, ConfigError, LossOptionError, build_loss_options,
+                                    default_config_path, dump_config, load_config, loss_options, option_for)
 
 BASE = default_config_path()
 CONFIGS = BASE.parent
@@ -147,6 +149,44 @@ def test_loss_options_mapping():
     assert opts.label_smoothing == 0.1 and opts.threshold == -1.5 and opts.focal_gamma == 2.0
     assert opts.vocab_reduction == "sum" and opts.pad_id == 0 and opts.vocab_size == 1001
     assert opts.reduction == "mean"
+
+
+def test_loss_option_keys_name_each_field_once():
+    fields = [option.field for option in LOSS_OPTION_KEYS.values()]
+    assert len(fields) == len(set(fields)) and set(fields) <= set(recloss.LossOptions.field_names())
+    # Other spellings of a field convert as its row does; a key naming no field has no row.
+    assert option_for("block_v") is option_for("loss_block_v") is LOSS_OPTION_KEYS["loss_block_v"]
+    assert option_for("threshold") is LOSS_OPTION_KEYS["loss_threshold"]
+    assert option_for("loss_label_smoothing") is LOSS_OPTION_KEYS["label_smoothing"]
+    assert option_for("reduction").field == "reduction" and option_for("loss_reduction").field == "reduction"
+    assert option_for("steps") is None and option_for("loss_steps") is None
+
+
+def test_build_loss_options_converts_and_names_the_bad_key():
+    assert build_loss_options({"loss_block_v": 0, "block_n": 64, "vocab_size": 0, "loss_interpret": False}) == \
+        recloss.LossOptions(block_v=None, block_n=64, vocab_size=None, interpret=False)
+    with pytest.raises(LossOptionError, match=r"'loss_threshold'=0.5 and 'threshold'=0.25") as err:
+        build_loss_options({"loss_threshold": 0.5, "threshold": 0.25})
+    assert err.value.key == "threshold"
+    with pytest.raises(LossOptionError, match=r"loss config key 'pos_weight'=0.0 is rejected: .*pos_weight") as err:
+        build_loss_options({"label_smoothing": 0.1, "pos_weight": 0.0})
+    assert err.value.key == "pos_weight" and err.value.reason.startswith("LossOptions.pos_weight=0.0")
+
+
+def test_one_loss_mapping_serves_every_plugin():
+    from recloss_plugins import maxtext
+    from recloss_plugins.flax import resolve_config
+
+    cfg = load_config([str(BASE), "loss=dense_bce", "loss_block_v=0", "loss_block_n=32", "label_smoothing=0.1",
+                       "pos_weight=2", "focal_gamma=1", "focal_alpha=0.25", "loss_threshold=-0.5",
+                       "loss_interpret=true", "vocab_reduction=sum"])
+    values = {key: cfg[key] for key in LOSS_OPTION_KEYS if key in SCHEMA}
+    assert len(values) == 9  # every loss option of the trainer's config
+    trainer = loss_options(cfg)
+    assert resolve_config({"loss": cfg.loss, **values}) == \
+        ("dense_bce", trainer.replace(pad_id=recloss.LossOptions().pad_id))
+    assert maxtext.loss_settings(types.SimpleNamespace(loss=cfg.loss, **values)) == \
+        ("dense_bce", trainer.replace(reduction="sum", pad_id=maxtext.FIELDS["loss_pad_id"].default))
 
 
 def test_main_reports_config_errors_with_exit_code_2(capsys):

@@ -211,7 +211,11 @@ def test_loss_from_hidden_with_mesh_layout(rng):
     cfg = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor")
     layout = rm.layout_for(cfg, mesh)
     assert (layout.batch_axes, layout.fsdp_axis, layout.vocab_axis) == (("data", "fsdp"), "fsdp", "tensor")
-    assert rm.layout_for(_config(), mesh) is None
+    assert rm.layout_for(_config(), mesh) is None and rm.layout_for(_config(), None) is None
+    with pytest.raises(ValueError, match="no mesh was given"):
+        rm.layout_for(cfg, None)
+    with pytest.raises(ValueError, match="need loss_batch_axes"):
+        rm.layout_for(_config(loss_fsdp_axis="fsdp"), mesh)
     hidden = jnp.asarray(rng.standard_normal((4, 2, 8)), jnp.float32)
     table = jnp.asarray(rng.standard_normal((64, 8)), jnp.float32)
     data = _batch(rng, b=4, t=2, v=64)
@@ -249,7 +253,7 @@ def _fake_train_module(call_hook=True):
 def test_loss_fn_runs_maxtext_loss_with_the_recloss_hook(rng, monkeypatch):
     train = _fake_train_module()
     original_hook, original_loss_fn = train.vocab_tiling_nnx_loss, train.loss_fn
-    monkeypatch.setattr(rm_loss, "_train_module", lambda: train)
+    monkeypatch.setattr(rm_loss, "train_module", lambda: train)
     v, d = 40, 8
     cfg = _config(loss="cutbce", loss_block_v=8)
     model = _Model(v, d, nnx.Rngs(int(rng.integers(1 << 30))))
@@ -271,13 +275,22 @@ def test_loss_fn_runs_maxtext_loss_with_the_recloss_hook(rng, monkeypatch):
     np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-6)
     rm.uninstall(train)
     assert train.loss_fn is original_loss_fn and not hasattr(train, "_recloss_original_loss_fn")
+    # `installed` undoes its install on exit, and leaves an earlier install in place.
+    with rm.installed(train) as within:
+        assert within is train and train.loss_fn is rm.loss_fn
+    assert train.loss_fn is original_loss_fn and not hasattr(train, "_recloss_original_loss_fn")
+    rm.install(train)
+    with rm.installed(train):
+        pass
+    assert train.loss_fn is rm.loss_fn
+    rm.uninstall(train)
 
     with pytest.raises(ValueError, match="num_vocab_tiling=1"):
         rm.loss_fn(model, _config(num_vocab_tiling=1), dict(data), None, None)
 
 
 def test_loss_fn_fails_loudly_when_the_hook_is_not_called(rng, monkeypatch):
-    monkeypatch.setattr(rm_loss, "_train_module", lambda: _fake_train_module(call_hook=False))
+    monkeypatch.setattr(rm_loss, "train_module", lambda: _fake_train_module(call_hook=False))
     model = _Model(40, 8, nnx.Rngs(0))
     data = {"inputs": jnp.zeros((2, 6), jnp.int32), **_batch(rng)}
     with pytest.raises(RuntimeError, match="did not call its vocab-tiling hook"):

@@ -5,9 +5,20 @@
 
 Every key has a declared type and check (`keys.SCHEMA`); unknown keys, bad
 types and bad values raise `ConfigError` naming the key before any work runs.
+`LOSS_OPTION_KEYS` maps config keys to `recloss.LossOptions` fields for every
+plugin (`build_loss_options`).
 """
 
 from recloss_plugins.config.keys import SCHEMA, Key, loss_options
+from recloss_plugins.config.loss_keys import (
+    LOSS_OPTION_KEYS,
+    OPTION_PREFIX,
+    LossKey,
+    LossOptionError,
+    build_loss_options,
+    option_for,
+    option_keys,
+)
 from recloss_plugins.config.pyconfig import (
     ConfigError,
     default_config_path,
@@ -17,12 +28,19 @@ from recloss_plugins.config.pyconfig import (
 )
 
 __all__ = [
+    "LOSS_OPTION_KEYS",
+    "OPTION_PREFIX",
     "SCHEMA",
     "ConfigError",
     "Key",
+    "LossKey",
+    "LossOptionError",
+    "build_loss_options",
     "default_config_path",
     "dump_config",
     "load_config",
     "loss_options",
+    "option_for",
+    "option_keys",
     "parse_override",
 ]

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Callable, Optional, Tuple
 
 import recloss
+from recloss_plugins.config.loss_keys import LOSS_OPTION_KEYS, build_loss_options
 
 # Mesh axis names the trainer understands (MaxText's names); `mesh_axes` orders them.
 MESH_AXES = ("data", "fsdp", "vocab")
@@ -130,34 +131,16 @@ SCHEMA = {
     "synthetic_switch_prob": _unit(hi_open=False),
 }
 
-# Config key -> recloss.LossOptions field, for the options the config exposes.
-LOSS_OPTION_KEYS = {
-    "loss_block_v": "block_v",
-    "loss_block_n": "block_n",
-    "vocab_reduction": "vocab_reduction",
-    "label_smoothing": "label_smoothing",
-    "pos_weight": "pos_weight",
-    "focal_gamma": "focal_gamma",
-    "focal_alpha": "focal_alpha",
-    "loss_threshold": "threshold",
-    "loss_interpret": "interpret",
-}
-
 # Id of the padding item: inputs, targets and row 0 of the table.
 PAD_ID = 0
 
 
 def loss_options(cfg, vocab_size: Optional[int] = None) -> recloss.LossOptions:
-    """The `recloss.LossOptions` a config asks for.
+    """The `recloss.LossOptions` a config asks for: its keys of `LOSS_OPTION_KEYS`, mapped there.
 
     Fixed by the trainer: reduction='mean' over weighted positions, pad_id=0
     (item 0 is padding), metrics on. ``vocab_size`` is the real V when the
-    table has padded rows."""
-    kwargs = {}
-    for key, field in LOSS_OPTION_KEYS.items():
-        value = cfg[key]
-        if key in ("loss_block_v", "loss_block_n") and value == 0:
-            value = None
-        kwargs[field] = value
-    return recloss.LossOptions(reduction="mean", pad_id=PAD_ID, compute_metrics=True,
-                               vocab_size=vocab_size, **kwargs)
+    table has padded rows. Raises `LossOptionError` naming the key of a bad value.
+    """
+    options = build_loss_options({key: cfg[key] for key in LOSS_OPTION_KEYS if key in SCHEMA})
+    return options.replace(reduction="mean", pad_id=PAD_ID, compute_metrics=True, vocab_size=vocab_size)

@@ -16,7 +16,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import yaml
 
-from recloss_plugins.config.keys import LOSS_OPTION_KEYS, SCHEMA, loss_options
+from recloss_plugins.config.keys import SCHEMA, loss_options
+from recloss_plugins.config.loss_keys import LossOptionError
 
 BASE_CONFIG_KEY = "base_config"
 
@@ -208,13 +209,10 @@ def _check_all(cfg: dict, where: dict):
              + _suggest(cfg["loss"], strategies))
     try:
         loss_options(cfg)
-    except (ValueError, TypeError) as err:
-        # LossOptions names its field; map it back to the config key.
-        msg = str(err)
-        for key, field in LOSS_OPTION_KEYS.items():
-            if msg.startswith(f"LossOptions.{field}="):
-                fail(key, f"is invalid: {msg}")
-        raise ConfigError(f"loss options are invalid: {msg}") from err
+    except LossOptionError as err:
+        if err.key is not None:
+            fail(err.key, f"is invalid: {err.reason}")
+        raise ConfigError(f"loss options are invalid: {err.reason}") from err
     if cfg["emb_dim"] % cfg["num_heads"]:
         fail("num_heads", f"must divide emb_dim={cfg['emb_dim']}, got {cfg['num_heads']}")
     if cfg["global_batch_size"] == 0 and cfg["per_device_batch_size"] == 0:

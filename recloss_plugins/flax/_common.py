@@ -1,4 +1,5 @@
-"""Pieces shared by the NNX and linen heads: strategy construction, table unwrapping, dense scores."""
+"""Pieces shared by the NNX and linen heads (and `make_loss_fn`): argument checks, strategy
+construction, table unwrapping, dense scores, partition specs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,42 @@ import jax
 import jax.numpy as jnp
 
 import recloss
+
+
+def check_layout(layout):
+    """Raises TypeError unless ``layout`` is a `recloss.MeshLayout` or None."""
+    if layout is not None and not isinstance(layout, recloss.MeshLayout):
+        raise TypeError(f"layout must be a recloss.MeshLayout or None, got {type(layout).__name__}")
+
+
+def check_head(num_items, features, tied: bool, use_bias: bool, layout):
+    """Raises unless a head's constructor arguments fit together.
+
+    ``features`` (D) must be a positive int; ``num_items`` (V) a positive int,
+    or None for a tied head without bias (the borrowed table sets V);
+    ``layout`` a `recloss.MeshLayout` or None.
+    """
+    if isinstance(features, bool) or not isinstance(features, int) or features <= 0:
+        raise ValueError(f"features must be a positive int (the hidden size D), got {features!r}")
+    if num_items is not None and (isinstance(num_items, bool) or not isinstance(num_items, int)
+                                  or num_items <= 0):
+        raise ValueError(f"num_items must be a positive int (V) or None, got {num_items!r}")
+    if num_items is None and (not tied or use_bias):
+        raise ValueError("num_items is needed to own a table or a bias; only a tied head without bias "
+                         "(tied=True, use_bias=False) may leave it None")
+    check_layout(layout)
+
+
+def partition_specs(strategy: recloss.Strategy, layout, default, owner: str) -> recloss.Specs:
+    """``strategy``'s `recloss.Specs` under ``layout``, or under ``default`` when ``layout`` is None.
+
+    Raises ValueError when both are None; ``owner`` names what ``default`` came
+    from (the head, make_loss_fn) for that message.
+    """
+    chosen = layout if layout is not None else default
+    if chosen is None:
+        raise ValueError(f"partition_specs needs a recloss.MeshLayout (none was given here or to {owner})")
+    return strategy.partition_specs(chosen)
 
 
 def build_strategy(strategy: Any, options: Any, option_kwargs: Mapping[str, Any]) -> recloss.Strategy:

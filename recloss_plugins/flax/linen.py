@@ -57,16 +57,7 @@ class MultiLabelHead(nn.Module):
 
     def __post_init__(self):
         # Fail at construction, not at the first init/apply.
-        if isinstance(self.features, bool) or not isinstance(self.features, int) or self.features <= 0:
-            raise ValueError(f"features must be a positive int (the hidden size D), got {self.features!r}")
-        n = self.num_items
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
-            raise ValueError(f"num_items must be a positive int (V) or None, got {n!r}")
-        if n is None and (not self.tied or self.use_bias):
-            raise ValueError("num_items is needed to own a table or a bias; only a tied head without bias "
-                             "(tied=True, use_bias=False) may leave it None")
-        if self.layout is not None and not isinstance(self.layout, recloss.MeshLayout):
-            raise TypeError(f"layout must be a recloss.MeshLayout or None, got {type(self.layout).__name__}")
+        _common.check_head(self.num_items, self.features, self.tied, self.use_bias, self.layout)
         self.loss_strategy  # validates strategy and options
         super().__post_init__()
 
@@ -110,15 +101,10 @@ class MultiLabelHead(nn.Module):
         return _common.dense_scores(_common.cast(hidden, self.dtype), e, self._bias(),
                                     self.loss_strategy.options)
 
-    logits = scores
-
     def embed(self, ids, table=None):
         """Table rows for item ids [...] -> [..., D]."""
         return jnp.take(self.item_table(table), ids, axis=0)
 
     def partition_specs(self, layout: Optional[recloss.MeshLayout] = None) -> recloss.Specs:
         """`recloss.Specs` under ``layout`` (default: the head's); callable on an unbound module."""
-        chosen = layout if layout is not None else self.layout
-        if chosen is None:
-            raise ValueError("partition_specs needs a recloss.MeshLayout (none given and the head has none)")
-        return self.loss_strategy.partition_specs(chosen)
+        return _common.partition_specs(self.loss_strategy, layout, self.layout, "the head")

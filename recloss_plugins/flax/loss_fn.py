@@ -13,8 +13,9 @@ Config keys (a dict, an ``ml_collections.ConfigDict`` or anything with
 * every `recloss.LossOptions` field under its own name (``block_v``,
   ``threshold``, ``label_smoothing``, ...) or with a ``loss_`` prefix
   (``loss_block_v``, ``loss_threshold``, ...), as MaxText-style trainer
-  configs spell them. ``0`` for ``block_v``, ``block_n`` and ``vocab_size``
-  means "not set" (None), the trainer configs' convention.
+  configs spell them. Values convert as `recloss_plugins.config.LOSS_OPTION_KEYS`
+  (the mapping every plugin shares) says: ``0`` for ``block_v``, ``block_n``
+  and ``vocab_size`` means "not set" (None), the trainer configs' convention.
 
 Any other key is an error unless ``strict=False`` (then keys outside the
 loss's are ignored, so a whole trainer config can be passed; a key that starts
@@ -27,12 +28,11 @@ import difflib
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import recloss
+from recloss_plugins.config import OPTION_PREFIX, build_loss_options, option_for, option_keys
+from recloss_plugins.flax import _common
 
 STRATEGY_KEY = "loss"
 DEFAULT_STRATEGY = "cutbce"
-PREFIX = "loss_"
-# Option fields where the trainer configs write 0 for "chosen automatically / not set".
-_ZERO_IS_NONE = ("block_v", "block_n", "vocab_size")
 
 
 def config_to_dict(config) -> Dict[str, Any]:
@@ -49,27 +49,12 @@ def config_to_dict(config) -> Dict[str, Any]:
                     f"{type(config).__name__}")
 
 
-def _option_field(key: str) -> Optional[str]:
-    """The LossOptions field ``key`` names (directly or ``loss_``-prefixed), else None."""
-    fields = recloss.LossOptions.field_names()
-    if key in fields:
-        return key
-    if key.startswith(PREFIX) and key[len(PREFIX):] in fields:
-        return key[len(PREFIX):]
-    return None
-
-
-def _known_keys() -> Tuple[str, ...]:
-    fields = recloss.LossOptions.field_names()
-    return (STRATEGY_KEY,) + fields + tuple(PREFIX + f for f in fields)
-
-
 def _unknown_key_error(key: str) -> ValueError:
-    close = difflib.get_close_matches(key, _known_keys(), n=1)
+    close = difflib.get_close_matches(key, (STRATEGY_KEY,) + option_keys(), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ValueError(f"unknown loss config key {key!r}{hint}; valid keys are {STRATEGY_KEY!r}, the "
                       f"recloss.LossOptions fields {recloss.LossOptions.field_names()} and the same "
-                      f"fields prefixed with {PREFIX!r}")
+                      f"fields prefixed with {OPTION_PREFIX!r}")
 
 
 def resolve_config(config, *, strict: bool = True) -> Tuple[str, recloss.LossOptions]:
@@ -89,26 +74,13 @@ def resolve_config(config, *, strict: bool = True) -> Tuple[str, recloss.LossOpt
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"config key {STRATEGY_KEY!r}={name!r} is not a recloss strategy: available are "
                          f"{recloss.available_strategies()}{hint}")
-    kwargs: Dict[str, Any] = {}
-    source: Dict[str, str] = {}
+    options = {}
     for key, value in items.items():
-        field = _option_field(key) if isinstance(key, str) else None
-        if field is None:
-            if strict or (isinstance(key, str) and key.startswith(PREFIX)):
-                raise _unknown_key_error(str(key))
-            continue
-        if field in _ZERO_IS_NONE and value == 0 and not isinstance(value, bool):
-            value = None
-        if field in kwargs and kwargs[field] != value:
-            raise ValueError(f"config keys {source[field]!r}={kwargs[field]!r} and {key!r}={value!r} set "
-                             f"the same loss option {field!r} to different values; keep one")
-        kwargs[field] = value
-        source[field] = key
-    try:
-        options = recloss.LossOptions(**kwargs)
-    except ValueError as err:
-        raise ValueError(f"bad loss option in config: {err}") from err
-    return name, options
+        if isinstance(key, str) and option_for(key) is not None:
+            options[key] = value
+        elif strict or (isinstance(key, str) and key.startswith(OPTION_PREFIX)):
+            raise _unknown_key_error(str(key))
+    return name, build_loss_options(options)
 
 
 def make_loss_fn(config, *, layout: Optional[recloss.MeshLayout] = None, strict: bool = True):
@@ -130,8 +102,7 @@ def make_loss_fn(config, *, layout: Optional[recloss.MeshLayout] = None, strict:
       layout: a `recloss.MeshLayout` to run the loss sharded under shard_map.
       strict: reject keys that are not loss keys (False: ignore them).
     """
-    if layout is not None and not isinstance(layout, recloss.MeshLayout):
-        raise TypeError(f"layout must be a recloss.MeshLayout or None, got {type(layout).__name__}")
+    _common.check_layout(layout)
     name, options = resolve_config(config, strict=strict)
     strategy = recloss.get_strategy(name, options)
 
@@ -140,11 +111,7 @@ def make_loss_fn(config, *, layout: Optional[recloss.MeshLayout] = None, strict:
         return out.loss, out.metrics
 
     def partition_specs(layout_: Optional[recloss.MeshLayout] = None) -> recloss.Specs:
-        chosen = layout if layout_ is None else layout_
-        if chosen is None:
-            raise ValueError("partition_specs needs a recloss.MeshLayout (none was given here or to "
-                             "make_loss_fn)")
-        return strategy.partition_specs(chosen)
+        return _common.partition_specs(strategy, layout_, layout, "make_loss_fn")
 
     loss_fn.__doc__ = (f"recloss loss {name!r} with {options}: (hidden [..., D], table [V, D], "
                        "targets [..., L], weights [...] | None, bias [V] | None) -> (loss, metrics)")

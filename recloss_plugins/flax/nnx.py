@@ -49,16 +49,7 @@ class MultiLabelHead(nnx.Module):
                  param_dtype: Any = jnp.float32, table_init: Optional[Callable] = None,
                  bias_init: Callable = nnx.initializers.zeros_init(), rngs: Optional[nnx.Rngs] = None,
                  **option_kwargs):
-        if isinstance(features, bool) or not isinstance(features, int) or features <= 0:
-            raise ValueError(f"features must be a positive int (the hidden size D), got {features!r}")
-        if num_items is not None and (isinstance(num_items, bool) or not isinstance(num_items, int)
-                                      or num_items <= 0):
-            raise ValueError(f"num_items must be a positive int (V) or None, got {num_items!r}")
-        if num_items is None and (not tied or use_bias):
-            raise ValueError("num_items is needed to own a table or a bias; only a tied head without bias "
-                             "(tied=True, use_bias=False) may leave it None")
-        if layout is not None and not isinstance(layout, recloss.MeshLayout):
-            raise TypeError(f"layout must be a recloss.MeshLayout or None, got {type(layout).__name__}")
+        _common.check_head(num_items, features, tied, use_bias, layout)
         self.strategy = _common.build_strategy(strategy, options, option_kwargs)
         self.num_items, self.features = num_items, features
         self.tied, self.layout, self.dtype = bool(tied), layout, dtype
@@ -101,13 +92,12 @@ class MultiLabelHead(nnx.Module):
     def scores(self, hidden, *, table=None):
         """Dense logits ``hidden·Eᵀ + b`` [..., V] float32 (rows past ``vocab_size`` dropped).
 
-        Materialises [..., V]: for inference over small catalogues only; use
-        the blocked top-k of `recloss.metrics` for large ones.
+        Materialises [..., V]: for inference over small catalogues only; for
+        large ones use `recloss_plugins.sasrec.eval.blocked_top_k` (top-K over
+        the catalogue a vocabulary block at a time).
         """
         e = _common.cast(self.item_table(table), self.dtype)
         return _common.dense_scores(_common.cast(hidden, self.dtype), e, self._bias(), self.options)
-
-    logits = scores
 
     def embed(self, ids, *, table=None):
         """Table rows for item ids [...] -> [..., D] (to use the head's table as the input embedding)."""
@@ -115,7 +105,4 @@ class MultiLabelHead(nnx.Module):
 
     def partition_specs(self, layout: Optional[recloss.MeshLayout] = None) -> recloss.Specs:
         """`recloss.Specs` (hidden, targets, weights, table, bias, ...) under ``layout`` (default: the head's)."""
-        chosen = layout if layout is not None else self.layout
-        if chosen is None:
-            raise ValueError("partition_specs needs a recloss.MeshLayout (none given and the head has none)")
-        return self.strategy.partition_specs(chosen)
+        return _common.partition_specs(self.strategy, layout, self.layout, "the head")

@@ -23,6 +23,7 @@ from recloss_plugins.maxtext.config import (
 )
 from recloss_plugins.maxtext.loss import (
     install,
+    installed,
     loss_fn,
     loss_from_hidden,
     output_table,
@@ -36,6 +37,7 @@ __all__ = [
     "check_supported",
     "config_class",
     "install",
+    "installed",
     "layout_for",
     "loss_fn",
     "loss_from_hidden",

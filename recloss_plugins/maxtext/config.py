@@ -40,8 +40,8 @@ import functools
 from typing import Any, Optional, Tuple
 
 import recloss
-from recloss_plugins.config.keys import LOSS_OPTION_KEYS
-from recloss_plugins.flax.loss_fn import resolve_config
+from recloss_plugins.config import LOSS_OPTION_KEYS
+from recloss_plugins.flax import resolve_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +78,13 @@ FIELDS = {
                            "split over, or None."),
 }
 
-# Config key -> recloss.LossOptions field (the rest are the strategy and the mesh layout): the
-# trainer's keys plus the pad id, which MaxText token streams may need.
-OPTION_KEYS = {**LOSS_OPTION_KEYS, "loss_pad_id": "pad_id"}
+# Config key -> recloss.LossOptions field: the FIELDS keys the shared mapping knows (the rest
+# are the strategy and the mesh layout).
+OPTION_KEYS = {key: option.field for key, option in LOSS_OPTION_KEYS.items() if key in FIELDS}
 
 
 def _get(config, key):
+    """``config.key``, or its `FIELDS` default when ``config`` lacks the attribute."""
     try:
         return getattr(config, key)
     except AttributeError:
@@ -103,24 +104,40 @@ def loss_settings(config) -> Tuple[str, recloss.LossOptions]:
     return name, options.replace(reduction="sum", compute_metrics=True)
 
 
-def layout_for(config, mesh) -> Optional[recloss.MeshLayout]:
-    """The `recloss.MeshLayout` the config asks for on ``mesh``, or None (``loss_batch_axes`` empty)."""
+def _mesh_axes(config) -> Tuple[Tuple[str, ...], Optional[str], Optional[str]]:
+    """(loss_batch_axes, loss_fsdp_axis, loss_vocab_axis); the last two need the first."""
     batch_axes = tuple(_get(config, "loss_batch_axes") or ())
     fsdp, vocab = _get(config, "loss_fsdp_axis"), _get(config, "loss_vocab_axis")
+    if not batch_axes and (fsdp is not None or vocab is not None):
+        raise ValueError(f"loss_fsdp_axis={fsdp!r} / loss_vocab_axis={vocab!r} need loss_batch_axes "
+                         "(the mesh axes the tokens are split over) to be set")
+    return batch_axes, fsdp, vocab
+
+
+def layout_for(config, mesh) -> Optional[recloss.MeshLayout]:
+    """The `recloss.MeshLayout` the config asks for on ``mesh``, or None (``loss_batch_axes`` empty).
+
+    ``mesh`` may be None when ``loss_batch_axes`` is empty. Raises ValueError
+    when ``loss_fsdp_axis`` / ``loss_vocab_axis`` are set without
+    ``loss_batch_axes``, or ``loss_batch_axes`` is set and ``mesh`` is None.
+    """
+    batch_axes, fsdp, vocab = _mesh_axes(config)
     if not batch_axes:
-        if fsdp is not None or vocab is not None:
-            raise ValueError(f"loss_fsdp_axis={fsdp!r} / loss_vocab_axis={vocab!r} need loss_batch_axes "
-                             "(the mesh axes the tokens are split over) to be set")
         return None
+    if mesh is None:
+        raise ValueError(f"loss_batch_axes={list(batch_axes)} is set but no mesh was given to build the "
+                         "recloss.MeshLayout")
     return recloss.MeshLayout(mesh, batch_axes=batch_axes, fsdp_axis=fsdp, vocab_axis=vocab)
 
 
 def check_supported(config):
     """Raises ValueError when ``config`` asks for something the recloss MaxText loss cannot do.
 
-    Checks the strategy and options (via `loss_settings`), and MaxText's
+    Checks the strategy and options (via `loss_settings`), MaxText's
     ``num_vocab_tiling`` (> 1, so the decoder returns hidden states instead of
-    logits), ``z_loss_multiplier`` (0) and ``final_logits_soft_cap`` (unset).
+    logits), ``z_loss_multiplier`` (0) and ``final_logits_soft_cap`` (unset),
+    and the mesh axis keys (``loss_fsdp_axis`` / ``loss_vocab_axis`` need
+    ``loss_batch_axes``).
     """
     loss_settings(config)
     tiles = getattr(config, "num_vocab_tiling", None)
@@ -137,10 +154,7 @@ def check_supported(config):
     if cap:
         raise ValueError(f"final_logits_soft_cap={cap}: a soft cap (tanh) on the logits is not supported "
                          "by the recloss loss, which never builds the logits; unset it")
-    if (_get(config, "loss_fsdp_axis") is not None or _get(config, "loss_vocab_axis") is not None) and \
-            not _get(config, "loss_batch_axes"):
-        raise ValueError("loss_fsdp_axis / loss_vocab_axis need loss_batch_axes (the mesh axes the tokens "
-                         "are split over) to be set")
+    _mesh_axes(config)
 
 
 def _annotations():

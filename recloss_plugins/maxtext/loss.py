@@ -19,7 +19,8 @@ logits, sows its final hidden states, and ``loss_fn`` hands them to
   the vocab-tiling hook, and adds ``aux['recloss_metrics']`` (tp, fp, fn, tn,
   num_targets, invalid_targets, weight_sum).
 * `install()`: makes MaxText's trainer use `loss_fn`
-  (``train.loss_fn = loss_fn``); call it before ``train.main(argv)``.
+  (``train.loss_fn = loss_fn``); call it before ``train.main(argv)``, or
+  run ``train.main(argv)`` inside ``with installed():``.
 
 Targets: ``data['targets']`` [B, T] (one id per token, the language-model
 case) or [B, T, L] (L ids per token, multi-label); ``loss_pad_id`` marks
@@ -40,14 +41,14 @@ import jax
 import jax.numpy as jnp
 
 import recloss
-from recloss_plugins.flax._common import unwrap
+from recloss_plugins.flax import unwrap
 from recloss_plugins.maxtext import config as config_lib
 
 _TRAIN_MODULE = "maxtext.trainers.pre_train.train"
 _HOOK = "vocab_tiling_nnx_loss"
+# Where `install` keeps MaxText's own loss_fn on the train module.
+_ORIGINAL = "_recloss_original_loss_fn"
 _lock = threading.RLock()
-
-
 
 
 def output_table(model, config, features: int):
@@ -93,9 +94,7 @@ def loss_from_hidden(hidden, table, data, config, *, mesh=None):
     config sets ``loss_batch_axes``.
     """
     name, options = config_lib.loss_settings(config)
-    layout = config_lib.layout_for(config, mesh) if mesh is not None else None
-    if layout is None and config_lib._get(config, "loss_batch_axes"):
-        raise ValueError("loss_batch_axes is set but no mesh was given to build the recloss.MeshLayout")
+    layout = config_lib.layout_for(config, mesh)
     targets, weights = _targets_and_weights(data)
     out = recloss.get_strategy(name, options)(hidden, table, targets, weights, layout=layout)
     return out.loss, out.metrics
@@ -127,14 +126,15 @@ def vocab_loss(model, hidden_states, data, config, is_train, *, metrics_out: Opt
     return loss_sum, jnp.zeros((), jnp.float32)
 
 
-def _train_module():
+def train_module():
+    """MaxText's pre-training module, ``maxtext.trainers.pre_train.train`` (imported on first use)."""
     import importlib
     return importlib.import_module(_TRAIN_MODULE)
 
 
 def _maxtext_loss_fn(train):
     """MaxText's own loss_fn, also after `install` replaced ``train.loss_fn``."""
-    return getattr(train, "_recloss_original_loss_fn", train.loss_fn)
+    return getattr(train, _ORIGINAL, train.loss_fn)
 
 
 @contextlib.contextmanager
@@ -156,7 +156,7 @@ def loss_fn(model, config, data, dropout_rng, params, sparsity_state=None, is_tr
     dict, with ``xent_sum`` = Σ w·ℓ, ``z_loss`` = 0, and ``recloss_metrics``.
     """
     config_lib.check_supported(config)
-    train = _train_module()
+    train = train_module()
     metrics: Dict[str, Any] = {}
 
     def hook(model_, hidden_states, data_, config_, is_train_):
@@ -177,19 +177,35 @@ def loss_fn(model, config, data, dropout_rng, params, sparsity_state=None, is_tr
 def install(train=None):
     """Makes MaxText's pre-training loop use `loss_fn`; returns MaxText's original loss_fn.
 
-    Idempotent. ``train`` defaults to ``maxtext.trainers.pre_train.train``.
+    Idempotent. ``train`` defaults to `train_module()`.
     """
-    train = train if train is not None else _train_module()
+    train = train if train is not None else train_module()
     if train.loss_fn is not loss_fn:
-        train._recloss_original_loss_fn = train.loss_fn
+        setattr(train, _ORIGINAL, train.loss_fn)
         train.loss_fn = loss_fn
-    return train._recloss_original_loss_fn
+    return getattr(train, _ORIGINAL)
 
 
 def uninstall(train=None):
     """Undoes `install`."""
-    train = train if train is not None else _train_module()
-    original = getattr(train, "_recloss_original_loss_fn", None)
+    train = train if train is not None else train_module()
+    original = getattr(train, _ORIGINAL, None)
     if original is not None:
         train.loss_fn = original
-        del train._recloss_original_loss_fn
+        delattr(train, _ORIGINAL)
+
+
+@contextlib.contextmanager
+def installed(train=None):
+    """`install` for the duration of the block; undone after unless it was installed before.
+
+    ``train`` defaults to `train_module()`; the block gets the train module.
+    """
+    train = train if train is not None else train_module()
+    was_installed = getattr(train, _ORIGINAL, None) is not None
+    install(train)
+    try:
+        yield train
+    finally:
+        if not was_installed:
+            uninstall(train)

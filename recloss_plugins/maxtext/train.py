@@ -13,7 +13,7 @@ import contextlib
 from typing import Sequence
 
 from recloss_plugins.maxtext.config import config_class
-from recloss_plugins.maxtext.loss import _train_module, install, uninstall
+from recloss_plugins.maxtext.loss import installed
 
 
 @contextlib.contextmanager
@@ -36,15 +36,8 @@ def recloss_config_default():
 
 def main(argv: Sequence[str]) -> None:
     """MaxText's ``train.main(argv)`` with the recloss loss and config keys."""
-    train = _train_module()
-    was_installed = getattr(train, "_recloss_original_loss_fn", None) is not None
-    install(train)
-    try:
-        with recloss_config_default():
-            train.main(argv)
-    finally:
-        if not was_installed:
-            uninstall(train)
+    with installed() as train, recloss_config_default():
+        train.main(argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,127 @@
+"""The one mapping from config keys to `recloss.LossOptions` fields, shared by every plugin.
+
+The trainer (`keys.loss_options`), MaxText (`recloss_plugins.maxtext.loss_settings`)
+and `recloss_plugins.flax.make_loss_fn` all build their LossOptions with
+`build_loss_options`, which reads `LOSS_OPTION_KEYS`. A new loss option is one
+line there; a plugin then passes it on once its own schema declares the key's
+type (`keys.SCHEMA` and configs/base.yml for the trainer, `maxtext.config.FIELDS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import recloss
+
+# make_loss_fn also takes every LossOptions field under this prefix (``loss_threshold``).
+OPTION_PREFIX = "loss_"
+
+
+def zero_is_none(value):
+    """None for 0 (the configs' "chosen by the strategy" / "not set"), else ``value``; False stays False."""
+    return None if value == 0 and not isinstance(value, bool) else value
+
+
+def _as_is(value):
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class LossKey:
+    """How a config key sets a LossOptions field: ``field`` gets ``convert(value)``."""
+    field: str
+    convert: Callable[[Any], Any] = _as_is
+
+
+# Config key -> the LossOptions field it sets (one key per field). A plugin reads the keys its own
+# schema declares: the trainer has no loss_pad_id (it pads with item 0) and no loss_vocab_size (the
+# data sets V); MaxText has no loss_vocab_size; make_loss_fn takes all (and the spellings of `option_for`).
+LOSS_OPTION_KEYS = {
+    "loss_block_v": LossKey("block_v", zero_is_none),
+    "loss_block_n": LossKey("block_n", zero_is_none),
+    "vocab_reduction": LossKey("vocab_reduction"),
+    "label_smoothing": LossKey("label_smoothing"),
+    "pos_weight": LossKey("pos_weight"),
+    "focal_gamma": LossKey("focal_gamma"),
+    "focal_alpha": LossKey("focal_alpha"),
+    "loss_threshold": LossKey("threshold"),
+    "loss_interpret": LossKey("interpret"),
+    "loss_pad_id": LossKey("pad_id"),
+    "loss_vocab_size": LossKey("vocab_size", zero_is_none),
+}
+
+
+class LossOptionError(ValueError):
+    """Config values that make no valid `recloss.LossOptions`.
+
+    ``key``: the config key to blame (None when no single key is); ``reason``:
+    what is wrong with it, without the key (for callers that name keys their own way).
+    """
+
+    def __init__(self, message: str, key: Optional[str] = None, reason: Optional[str] = None):
+        super().__init__(message)
+        self.key = key
+        self.reason = message if reason is None else reason
+
+
+def option_for(key: str) -> Optional[LossKey]:
+    """The `LossKey` config key ``key`` names, or None.
+
+    A key of `LOSS_OPTION_KEYS`, else a LossOptions field under its own name
+    or with `OPTION_PREFIX` (converted as that field's row in the table converts).
+    """
+    if key in LOSS_OPTION_KEYS:
+        return LOSS_OPTION_KEYS[key]
+    fields = recloss.LossOptions.field_names()
+    if key not in fields and key.startswith(OPTION_PREFIX):
+        key = key[len(OPTION_PREFIX):]
+    if key not in fields:
+        return None
+    return next((o for o in LOSS_OPTION_KEYS.values() if o.field == key), LossKey(key))
+
+
+def option_keys() -> Tuple[str, ...]:
+    """Every key `option_for` knows: the table's keys, the LossOptions fields and the prefixed fields."""
+    fields = recloss.LossOptions.field_names()
+    return tuple(dict.fromkeys((*LOSS_OPTION_KEYS, *fields, *(OPTION_PREFIX + f for f in fields))))
+
+
+def build_loss_options(values: Mapping[str, Any]) -> recloss.LossOptions:
+    """The `recloss.LossOptions` that ``values`` {config key: value} ask for; unset fields keep their defaults.
+
+    Each key is looked up with `option_for` (an unknown key is a KeyError: the
+    callers report unknown keys in their own terms) and its value converted.
+    Raises LossOptionError naming the key when two keys set one field to
+    different values, or when LossOptions rejects a value.
+    """
+    kwargs: Dict[str, Any] = {}
+    source: Dict[str, str] = {}
+    for key, value in values.items():
+        option = option_for(key)
+        if option is None:
+            raise KeyError(f"{key!r} names no recloss.LossOptions field")
+        value = option.convert(value)
+        if option.field in kwargs and kwargs[option.field] != value:
+            raise LossOptionError(f"config keys {source[option.field]!r}={kwargs[option.field]!r} and "
+                                  f"{key!r}={value!r} set the same loss option {option.field!r} to "
+                                  "different values; keep one", key)
+        kwargs[option.field] = value
+        source[option.field] = key
+    try:
+        return recloss.LossOptions(**kwargs)
+    except (ValueError, TypeError) as err:
+        key = _rejected_key(kwargs, source)
+        message = (f"bad loss options: {err}" if key is None
+                   else f"loss config key {key!r}={values[key]!r} is rejected: {err}")
+        raise LossOptionError(message, key, str(err)) from err
+
+
+def _rejected_key(kwargs: Dict[str, Any], source: Dict[str, str]) -> Optional[str]:
+    """The config key whose value LossOptions rejects on its own, or None."""
+    for field, value in kwargs.items():
+        try:
+            recloss.LossOptions(**{field: value})
+        except (ValueError, TypeError):
+            return source[field]
+    return None

@@ -1,4 +1,10 @@
-"""The custom-VJP shells every blocked background plugs into.
+"""The shared blocked vocabulary sweep, and the custom-VJP shells every blocked background plugs into.
+
+`blocked` walks a table shard in blocks of ``block_v`` rows (lax.scan), each
+block in row tiles of ``block_n`` rows, and hands every [block_n, block_v]
+logit tile to an objective's ``tile`` function; per-row results are combined
+across blocks, per-block results (dE_j, db_j) are emitted once, never carried
+as a whole [V, D]. `blocks` chooses the sizes.
 
 A *sweep* walks the vocabulary once for rows a [M, D] against a table shard
 e [V_local, D] and returns ``(bg [M], counts [M] or None, dA [M, D], dE
@@ -10,8 +16,9 @@ produce it. Modes:
     'grad'   the gradients scaled by r only (recompute)    4·M·V·D
 
 A plan is a hashable (static) object with a method
-``plan.sweep(mode, a, e, b, r, vocab_offset)``; `recloss.bce.cut.Plan` (pure JAX)
-and `recloss.bce.kernel.Plan` (Pallas) are the two today. On top of any plan:
+``plan.sweep(mode, a, e, b, r, vocab_offset)``; `recloss.bce.cut.Plan` (pure JAX,
+on `blocked`) and `recloss.bce.kernel.Plan` (Pallas) are the two today. On top of
+any plan:
 
 * `background_total` (scalar loss Σ_i r_i·bg_i): without a gradient it is the
   loss-only sweep; the VJP's forward is the fused sweep, whose gradients are
@@ -23,9 +30,134 @@ and `recloss.bce.kernel.Plan` (Pallas) are the two today. On top of any plan:
 from __future__ import annotations
 
 import functools
+from typing import Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+
+# Default vocab block (a divisor of V_local within a factor 2 below it when one exists).
+BLOCK_V = 2048
+# Bytes of one float32 logit tile (block_n × block_v). XLA:CPU materialises the
+# elementwise passes between the three matmuls, so the tile bounds memory; its
+# size trades matmul efficiency (D-deep products want long rows) against cache.
+# Measured on 2 cores at D=128: 2000×2048 tiles ran the fused BCE pass ~8% faster
+# than 1000×512 ones (recloss-bench; README).
+TILE_BYTES = 16 << 20
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Blocks(NamedTuple):
+    """Static block sizes of one blocked sweep (hashable)."""
+    vocab_size: int       # real V (global); columns at or past it are inert
+    block_v: int
+    block_n: int          # rows per logit tile: each vocab block is walked in row tiles
+    mask: bool            # whether columns need masking (padding, vocab_size, traced offset)
+
+
+def blocks(m: int, v_local: int, *, block_v: Optional[int], block_n: Optional[int], vocab_size: int,
+           static_offset: Optional[int]) -> Blocks:
+    """Block sizes for M rows and a V_local-row table (explicit sizes win).
+
+    The default block_v is ``BLOCK_V`` or a divisor of V_local within a factor 2
+    below it: then the emitted dE blocks already form [V_local, D], with no copy.
+    Each vocab block is walked in row tiles of block_n so one logit tile is
+    ~``TILE_BYTES`` (XLA:CPU materialises the elementwise passes between the
+    matmuls; the tile bounds that memory). ``static_offset``: the shard's first
+    global id when known at trace time (None: traced), for deciding whether
+    columns need masking.
+    """
+    if not block_v:
+        block_v = next((c for c in range(BLOCK_V, BLOCK_V // 2, -1) if v_local % c == 0), BLOCK_V)
+    block_v = max(1, min(block_v, v_local))
+    if not block_n:
+        block_n = max(8, TILE_BYTES // (4 * block_v))
+        block_n = 1 << (block_n.bit_length() - 1)
+    block_n = max(1, min(block_n, m))
+    mask = static_offset is None or static_offset + v_local > vocab_size
+    return Blocks(vocab_size, block_v, block_n, mask)
+
+
+def _add(old: Dict, new: Dict) -> Dict:
+    return {k: old[k] + new[k] for k in new}
+
+
+def blocked(a, e, b, rows: Dict, vocab_offset, blk: Blocks, *, tile: Callable, init: Dict,
+            emit: Dict, combine: Callable = _add):
+    """One pass over the vocab blocks of ``e`` [V_local, D] for rows ``a`` [M, D].
+
+    Full blocks are read in place with dynamic slices; a shorter tail block (when
+    block_v does not divide V_local) is one extra step.
+
+    Args:
+      b: [V_local] or None. rows: per-row inputs {name: [M, ...]}, sliced with
+        each row tile (rows past M are zero padding). vocab_offset: global id of
+        e's row 0 (int or traced).
+      tile: ``tile(a_s, rows_s, e_j, b_j, live, col0) -> (row_out, block_out)``
+        for one [rows, bv] tile: a_s [rows, D], rows_s the sliced ``rows``,
+        e_j [bv, D], b_j [bv] or None, live [1, bv] bool or None (columns
+        before the real vocab_size), col0 the block's first local column.
+        row_out: {name: [rows, ...]} combined into the carry; block_out:
+        {name: [bv, ...]} summed over row tiles and emitted per block.
+      init: {name: (trailing shape, dtype, fill)} of the per-row carries.
+      emit: {name: trailing shape} of the f32 per-block outputs ``tile`` returns.
+      combine: ``combine(carry_rows, row_out) -> updated`` (default: add), for
+        a tile's slice of the carry.
+    Returns:
+      (per-row carries {name: [M, ...]}, per-block outputs {name: [V_local, ...]}).
+    """
+    m, d = a.shape
+    v = e.shape[0]
+    bv = blk.block_v
+    nb, tail = divmod(v, bv)
+    bn = blk.block_n
+    mp = _cdiv(m, bn) * bn
+    if mp != m:   # padded rows: zero hidden and row inputs; their results are dropped
+        a = jnp.pad(a, ((0, mp - m), (0, 0)))
+        rows = {k: jnp.pad(x, ((0, mp - m),) + ((0, 0),) * (x.ndim - 1)) for k, x in rows.items()}
+
+    def block(carry, e_j, b_j, col0):
+        live = None
+        if blk.mask:   # columns past the real vocabulary (padding rows of a sharded table)
+            live = (col0 + jnp.arange(e_j.shape[0]) + vocab_offset < blk.vocab_size)[None, :]
+        if bn >= mp:
+            row_out, block_out = tile(a, rows, e_j, b_j, live, col0)
+            carry = {**carry, **combine(carry, row_out)}
+            return carry, block_out
+
+        def sub(c, i):
+            a_s = jax.lax.dynamic_slice_in_dim(a, i * bn, bn)
+            rows_s = {k: jax.lax.dynamic_slice_in_dim(x, i * bn, bn) for k, x in rows.items()}
+            row_out, block_out = tile(a_s, rows_s, e_j, b_j, live, col0)
+            c = dict(c)
+            old = {k: jax.lax.dynamic_slice_in_dim(c[k], i * bn, bn) for k in row_out}
+            for k, x in combine(old, row_out).items():
+                c[k] = jax.lax.dynamic_update_slice_in_dim(c[k], x, i * bn, 0)
+            for k, x in block_out.items():
+                c[k] = c[k] + x
+            return c, None
+
+        start = dict(carry)
+        for k, shape in emit.items():
+            start[k] = jnp.zeros((e_j.shape[0],) + tuple(shape), jnp.float32)
+        c, _ = jax.lax.scan(sub, start, jnp.arange(mp // bn))
+        return {k: c[k] for k in carry}, {k: c[k] for k in emit}
+
+    def step(carry, j):
+        col0 = j * bv
+        e_j = jax.lax.dynamic_slice_in_dim(e, col0, bv)
+        b_j = None if b is None else jax.lax.dynamic_slice_in_dim(b, col0, bv)
+        return block(carry, e_j, b_j, col0)
+
+    carry = {k: jnp.full((mp,) + tuple(shape), fill, dtype) for k, (shape, dtype, fill) in init.items()}
+    carry, outs = jax.lax.scan(step, carry, jnp.arange(nb))
+    outs = {k: o.reshape((nb * bv,) + o.shape[2:]) for k, o in outs.items()}
+    if tail:
+        carry, last = block(carry, e[nb * bv:], None if b is None else b[nb * bv:], nb * bv)
+        outs = {k: jnp.concatenate([outs[k], last[k]]) for k in outs}
+    return {k: x[:m] for k, x in carry.items()}, outs
 
 
 def cast_grads(a, e, b, da, de, db, scale):

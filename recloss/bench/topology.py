@@ -14,9 +14,31 @@ import os
 import time
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-# Other processes (test workers, a second benchmark) may hold libtpu's lockfile;
-# compiling for a topology needs no exclusive access to a TPU.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+def libtpu_aot_env() -> None:
+    """Sets (setdefault) what libtpu needs to describe and compile for a topology without a TPU.
+
+    Call before libtpu is loaded. Other processes (test workers, a second benchmark) may hold
+    libtpu's lockfile; compiling for a topology needs no exclusive access to a TPU. Off a TPU VM
+    (TPU_SKIP_MDS_QUERY, which ``import jax`` sets when no TPU chip is attached) libtpu cannot ask
+    the metadata server for the workers: it stores the sentence "WARNING: could not determine TPU
+    worker hostnames ..." as TPU_WORKER_HOSTNAMES and logs "E0000 ... unexpected worker hostname"
+    (and "Failed to find host bounds for accelerator type"). Compiling needs no workers, so this
+    host is named the only one. A TPU VM (no TPU_SKIP_MDS_QUERY) or a pod that lists its workers
+    (TPU_WORKER_HOSTNAMES / TPU_PROCESS_ADDRESSES, as on GKE) is left as it is.
+    """
+    import jax  # noqa: F401  (its cloud_tpu_init sets TPU_SKIP_MDS_QUERY on a machine without a TPU)
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    env = os.environ
+    if env.get("TPU_SKIP_MDS_QUERY") is not None and not env.get("TPU_WORKER_HOSTNAMES") \
+            and not env.get("TPU_PROCESS_ADDRESSES"):
+        env["TPU_WORKER_HOSTNAMES"] = "localhost"   # unset or empty here
+        env.setdefault("TPU_WORKER_ID", "0")
+        env.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+
+
+libtpu_aot_env()
 
 # Cloud TPU slice names → (libtpu topology, chips per host). Cloud counts v5p
 # (and v4) slices in TensorCores, so v5p-8 is 4 chips of two cores each.

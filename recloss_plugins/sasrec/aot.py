@@ -114,6 +114,8 @@ def _secant(seen: Dict[int, float], lo: int, hi: int, budget: float) -> Optional
 
 def compile_report(cfg, log=print) -> Dict[str, object]:
     """Compiles for cfg.compile_topology and prints per-chip memory; returns the numbers."""
+    from recloss.bench.topology import libtpu_aot_env
+    libtpu_aot_env()   # before libtpu loads: no "unexpected worker hostname" off a TPU VM
     log("config:\n" + "\n".join(f"  {line}" for line in dump_config(cfg).splitlines()))
     devices = parallel.topology_devices(cfg.compile_topology, cfg.compile_topology_num_slices)
     vocab = vocab_size_for(cfg)

@@ -112,7 +112,8 @@ class Checkpoints:
         self.ocp = ocp
         self.directory = directory
         self.manager = ocp.CheckpointManager(
-            directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep or None, create=True))
+            directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep or None, create=True),
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
     def latest(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -123,10 +124,36 @@ class Checkpoints:
                                                         meta=ocp.args.JsonSave(meta)))
 
     def restore(self, step: int, abstract_state):
+        mismatch = self.shape_mismatch(step, abstract_state)
+        if mismatch:
+            raise ValueError(mismatch)
         ocp = self.ocp
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return out["state"], out["meta"]
+
+    def shape_mismatch(self, step: int, abstract_state) -> Optional[str]:
+        """The first array whose saved shape differs from ``abstract_state``'s, or None.
+
+        `restore` checks this first: an Orbax restore that fails on one array's shape leaves the
+        other arrays' TensorStore reads running on a closed event loop, which dumps "Event loop
+        is closed" / "Encountered error while reading array index" tracebacks later."""
+        try:
+            saved = self.manager.item_metadata(step)["state"]
+        except Exception:  # unreadable metadata: restore reports what is wrong
+            return None
+
+        def flat(tree):  # "a/b/0" -> leaf; key names only, as Orbax saves lists and namedtuples as dicts
+            leaves = jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else []
+            return {"/".join(str(next((getattr(k, a) for a in ("key", "idx", "name") if hasattr(k, a)), k))
+                             for k in path): leaf for path, leaf in leaves}
+
+        saved = flat(saved)
+        for name, want in sorted(flat(abstract_state).items(), key=lambda kv: not kv[0].startswith("params/")):
+            have = getattr(saved.get(name), "shape", None)
+            if have is not None and tuple(have) != tuple(want.shape):
+                return f"{name} has shape {tuple(have)} in the checkpoint but {tuple(want.shape)} in this run"
+        return None
 
     def close(self):
         self.manager.wait_until_finished()

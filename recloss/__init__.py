@@ -4,7 +4,7 @@
     out.loss, out.metrics["tp"]
 """
 
-from recloss.api import bce_loss
+from recloss.api import bce_loss, softmax_loss
 from recloss.assemble import LossOutput
 from recloss.options import LossOptions
 from recloss.registry import available_strategies, get_strategy, register_strategy
@@ -22,6 +22,7 @@ __all__ = [
     "get_strategy",
     "padded_vocab_size",
     "register_strategy",
+    "softmax_loss",
 ]
 
 __version__ = "0.1.0"

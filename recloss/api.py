@@ -1,7 +1,8 @@
-"""The entry points (`bce_loss`) and the explicit table of built-in strategies.
+"""The entry points (`bce_loss`, `softmax_loss`) and the explicit table of built-in strategies.
 
     objective   strategies                              entry point
     bce         dense_bce, cutbce, cutbce_pallas        recloss.bce_loss
+    softmax     dense_ce, cutce                         recloss.softmax_loss
 
 The table below is the one place a built-in strategy is named; importing this
 module registers it in `recloss.registry`, where `register_strategy` adds a
@@ -13,12 +14,15 @@ from __future__ import annotations
 from recloss import registry
 from recloss.assemble import LossOutput
 from recloss.bce.strategies import CutBCE, CutBCEPallas, DenseBCE
-from recloss.registry import get_strategy
+from recloss.registry import available_strategies, get_strategy
+from recloss.softmax.strategies import CutCE, DenseCE
 
 BUILTIN_STRATEGIES = {
     "dense_bce": DenseBCE,
     "cutbce": CutBCE,
     "cutbce_pallas": CutBCEPallas,
+    "dense_ce": DenseCE,
+    "cutce": CutCE,
 }
 for _name, _factory in BUILTIN_STRATEGIES.items():
     registry.register_strategy(_name, _factory)
@@ -51,4 +55,49 @@ def bce_loss(hidden, table, targets, weights=None, bias=None, *, strategy: str =
       Σ w·ℓ ('sum') or w·ℓ with hidden's leading shape ('none'), float32.
       Gradients come back in the input dtypes.
     """
-    return get_strategy(strategy, **options)(hidden, table, targets, weights, bias, layout=layout)
+    return _for("bce", strategy, options)(hidden, table, targets, weights, bias, layout=layout)
+
+
+def softmax_loss(hidden, table, targets, weights=None, bias=None, *, strategy: str = "cutce",
+                 layout=None, **options) -> LossOutput:
+    """Full-catalogue softmax cross-entropy with multi-positive targets, from hidden states.
+
+    Logits are ``x[..., v] = (hidden[...] · table[v] + bias[v]) / τ`` (τ =
+    ``temperature``; never built whole by the blocked strategies). Per position
+    with target set T (unique valid ids of ``targets``, k = |T|):
+
+        ℓ = Z − Σ_v q_v·x_v + λ·Z²,   Z = logsumexp_v x_v,   q_v = (1 − ε)·[v ∈ T]/k + ε/V
+
+    (ε = ``label_smoothing``, λ = ``z_loss``, V the real vocabulary size): the
+    mean over the targets of their cross-entropies. With L = 1 and no options it
+    is ``optax.softmax_cross_entropy_with_integer_labels``. A position with no
+    valid target contributes 0 and is left out of the mean's denominator.
+
+    Args:
+      hidden: [..., D] float32/bfloat16. table: [V, D]. targets: [..., L] int ids
+        (``pad_id`` = padding; other ids outside [0, V) are ignored and counted in
+        ``metrics['invalid_targets']``). weights: [...] float or None (= 1).
+        bias: [V] or None.
+      strategy: 'cutce' (blocked, any backend), 'dense_ce' (materialises [.., V]).
+      layout: a `recloss.MeshLayout` to run sharded under shard_map, or None.
+      **options: `LossOptions` fields: reduction, label_smoothing, z_loss,
+        temperature, pad_id, vocab_size, block_v, block_n, compute_metrics.
+    Returns:
+      LossOutput(loss, metrics): loss is Σ w·ℓ / Σ w over positions with a target
+      ('mean'; 0 when that sum is 0), Σ w·ℓ ('sum') or w·ℓ with hidden's leading
+      shape ('none'), float32. metrics: num_targets, invalid_targets, weight_sum
+      (of positions with a target) and, with compute_metrics, top1 (weighted count
+      of positions whose argmax is a target) and mean_lse (weighted mean Z).
+      Gradients come back in the input dtypes.
+    """
+    return _for("softmax", strategy, options)(hidden, table, targets, weights, bias, layout=layout)
+
+
+def _for(objective: str, name: str, options):
+    """The strategy ``name`` for ``objective``'s entry point; a strategy of another objective is an error."""
+    s = get_strategy(name, **options)
+    if s.objective and s.objective != objective:
+        mine = [n for n in available_strategies() if get_strategy(n).objective == objective]
+        raise ValueError(f"strategy {name!r} computes the {s.objective!r} objective: call "
+                         f"{s.entry_point}(..., strategy={name!r}); strategies of this entry point: {mine}")
+    return s

@@ -17,9 +17,9 @@ def _fail(name: str, value, expected: str):
 
 @dataclasses.dataclass(frozen=True)
 class LossOptions:
-    """Options shared by every strategy.
+    """Every knob of every strategy, validated in one place.
 
-    The per-logit loss is ``y'·P(x) + (1 − y')·Q(x)`` with the soft label
+    BCE (`recloss.bce_loss`): the per-logit loss is ``y'·P(x) + (1 − y')·Q(x)`` with the soft label
     ``y' = y(1 − label_smoothing) + label_smoothing/2`` and
 
         P(x) = pos_weight · α · (1 − σ(x))^γ · softplus(−x)
@@ -28,6 +28,9 @@ class LossOptions:
     where γ = ``focal_gamma`` and α = ``focal_alpha`` (α-factors are 1 when
     ``focal_alpha`` is None). The position loss sums over the vocabulary and is
     divided by V when ``vocab_reduction='mean'``.
+
+    Softmax (`recloss.softmax_loss`): ``ℓ = Z − Σ_v q_v·x_v + λ·Z²`` with
+    x = logits/τ, Z = logsumexp_v x_v and q_v = (1 − ε)·[v ∈ T]/|T| + ε/V.
 
     Attributes:
       reduction: 'mean' (Σ w·ℓ / Σ w, 0 when Σ w = 0), 'sum' (Σ w·ℓ) or 'none'
@@ -48,6 +51,13 @@ class LossOptions:
         (no loss, no metrics, zero gradient). None = every table row.
       interpret: Pallas strategies only: run kernels in interpret mode
         (None = automatically off TPU).
+      z_loss: softmax only: λ ≥ 0, adds λ·Z² per position (Z = logsumexp of the logits).
+      temperature: softmax only: τ > 0, logits are divided by it.
+
+    Which options a strategy takes depends on its objective: the BCE ones
+    (vocab_reduction, pos_weight, focal_*, threshold) and the softmax ones
+    (z_loss, temperature) are an error, naming the option and the strategy,
+    when set to a non-default value for a strategy of the other objective.
     """
 
     reduction: str = "mean"
@@ -63,6 +73,8 @@ class LossOptions:
     compute_metrics: bool = True
     vocab_size: Optional[int] = None
     interpret: Optional[bool] = None
+    z_loss: float = 0.0
+    temperature: float = 1.0
 
     def __post_init__(self):
         if self.reduction not in _REDUCTIONS:
@@ -74,7 +86,8 @@ class LossOptions:
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
                 object.__setattr__(self, name, int(value))
-        for name in ("label_smoothing", "pos_weight", "focal_gamma", "focal_alpha", "threshold"):
+        for name in ("label_smoothing", "pos_weight", "focal_gamma", "focal_alpha", "threshold", "z_loss",
+                     "temperature"):
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(value))
@@ -86,6 +99,8 @@ class LossOptions:
         if self.focal_alpha is not None:
             _check_real("focal_alpha", self.focal_alpha, lambda v: 0.0 <= v <= 1.0, "None or a float in [0, 1]")
         _check_real("threshold", self.threshold, lambda v: True, "a finite float")
+        _check_real("z_loss", self.z_loss, lambda v: v >= 0.0, "a finite float >= 0")
+        _check_real("temperature", self.temperature, lambda v: v > 0.0, "a finite float > 0")
         for name in ("block_v", "block_n", "vocab_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -99,6 +114,10 @@ class LossOptions:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    def non_default(self) -> tuple[str, ...]:
+        """Names of the fields whose value differs from the default."""
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
 
     def replace(self, **changes) -> "LossOptions":
         return dataclasses.replace(self, **changes)

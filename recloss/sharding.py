@@ -207,6 +207,10 @@ def _psum_over(axes):
     return (lambda x: jax.lax.psum(x, axes)) if axes else (lambda x: x)
 
 
+def _pmax_over(axes):
+    return (lambda x: jax.lax.pmax(x, axes)) if axes else (lambda x: x)
+
+
 def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_size: int) -> LossOutput:
     """The loss of ``strategy`` under ``layout`` (called by `recloss.Strategy.__call__`).
 
@@ -237,7 +241,8 @@ def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_
             if b is not None:
                 b = jax.lax.all_gather(b, fsdp_axis, axis=0, tiled=True)
         offset = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * v_local
-        reducer = Reducer(batch=_psum_over(sum_batch), vocab=_psum_over(sum_vocab))
+        reducer = Reducer(batch=_psum_over(sum_batch), vocab=_psum_over(sum_vocab),
+                          vocab_max=_pmax_over(sum_vocab))
         return assemble(strategy, h, e, b, t, w_, vocab_offset=offset, vocab_size=vocab_size,
                         platform=platform, reducer=reducer)
 

@@ -17,16 +17,35 @@ from recloss.assemble import LossOutput, assemble
 from recloss.options import LossOptions
 
 
-class Strategy:
-    """A named implementation of the loss. Call it like `recloss.bce_loss`.
+# Options every strategy takes; an objective adds its own (`Strategy.options_supported`).
+COMMON_OPTIONS = ("reduction", "pad_id", "label_smoothing", "block_v", "block_n", "compute_metrics",
+                  "vocab_size", "interpret")
 
-    Subclasses implement `local_loss` for one (batch, vocab) shard.
+
+class Strategy:
+    """A named implementation of an objective. Call it like the objective's entry point.
+
+    Class attributes: ``name``, ``objective`` ('bce', 'softmax'), ``entry_point``
+    (the function users call, e.g. 'recloss.bce_loss'), ``platforms``,
+    ``options_supported`` (LossOptions fields it honours; any other field set
+    to a non-default value is an error at construction).
+
+    An objective's base class implements `local_loss` for one (batch, vocab)
+    shard, and may override `row_weights`, `row_scale` and `metrics`.
     """
 
     name: str = ""
+    objective: str = ""
+    entry_point: str = ""
     platforms: tuple = ("cpu", "gpu", "tpu")
+    options_supported: tuple = COMMON_OPTIONS
 
     def __init__(self, options: LossOptions):
+        unsupported = [f for f in options.non_default() if f not in self.options_supported]
+        if unsupported:
+            given = ", ".join(f"{f}={getattr(options, f)!r}" for f in unsupported)
+            raise ValueError(f"strategy {self.name!r} ({self.objective or 'custom'} objective) does not "
+                             f"take the option(s) {given}; its options are {self.options_supported}")
         self.options = options
 
     def __repr__(self):
@@ -45,16 +64,32 @@ class Strategy:
         """PartitionSpecs of the loss's arrays under ``layout`` (a `recloss.MeshLayout`)."""
         return sharding.default_specs(layout)
 
+    # ------------------------------------------------------------ what an objective supplies
+    def row_weights(self, targets, w, *, vocab_size: int):
+        """The weights [M] f32 of the positions that count (default: ``w``)."""
+        return w
+
+    def row_scale(self, w, weight_sum, *, vocab_size: int):
+        """Each position's factor in the reduced loss [M] f32: w / Σw for 'mean' (0 when Σw = 0), else w."""
+        if self.options.reduction == "mean":
+            return w / jnp.where(weight_sum > 0, weight_sum, 1.0)
+        return w
+
     def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size: int,
-                   scalar: bool, platform: str):
-        """One shard's loss part and per-row counts.
+                   scalar: bool, platform: str, reducer):
+        """One shard's loss and per-row counts, summed over the vocab shards with ``reducer.vocab``.
 
         Args: hidden [M, D], table [V_local, D], bias [V_local] or None, targets
-        [M, L] global ids, row_scale [M] f32 (weight·vocab scale / normaliser),
+        [M, L] global ids, row_scale [M] f32 (from `row_scale`),
         vocab_offset: global id of table row 0 (int or traced scalar),
-        platform: where the computation will run ('cpu', 'gpu', 'tpu').
+        platform: where the computation will run ('cpu', 'gpu', 'tpu'),
+        reducer: a `recloss.assemble.Reducer` (identity on one device).
         Returns: (Σ_i row_scale_i·ℓ_i if scalar else row_scale·ℓ [M], counts dict of [M] f32).
         """
+        raise NotImplementedError
+
+    def metrics(self, counts, w, *, vocab_size: int, invalid, weight_sum, reducer):
+        """Global metrics (dict of f32 scalars) from `local_loss`'s counts; w, weight_sum from `row_weights`."""
         raise NotImplementedError
 
     def __call__(self, hidden, table, targets, weights=None, bias=None, *, layout=None) -> LossOutput:

@@ -16,7 +16,8 @@ produce it. Modes:
     'grad'   the gradients scaled by r only (recompute)    4·M·V·D
 
 A plan is a hashable (static) object with a method
-``plan.sweep(mode, a, e, b, r, vocab_offset)``; `recloss.bce.cut.Plan` (pure JAX,
+``plan.sweep(mode, a, e, b, r, vocab_offset, fwd=None)`` (``fwd``: the 'grad'
+mode of `background_rows` gets the forward's row values, e.g. a log-partition); `recloss.bce.cut.Plan` (pure JAX,
 on `blocked`) and `recloss.bce.kernel.Plan` (Pallas) are the two today. On top of
 any plan:
 
@@ -205,12 +206,13 @@ def background_rows(a, e, b, vocab_offset, plan):
 
 
 def _rows_fwd(a, e, b, vocab_offset, plan):
-    return background_rows(a, e, b, vocab_offset, plan), (a, e, b, vocab_offset)
+    bg, cnt = background_rows(a, e, b, vocab_offset, plan)
+    return (bg, cnt), (a, e, b, vocab_offset, bg)
 
 
 def _rows_bwd(plan, res, cts):
-    a, e, b, vocab_offset = res
-    _, _, da, de, db = plan.sweep("grad", a, e, b, cts[0].astype(jnp.float32), vocab_offset)
+    a, e, b, vocab_offset, bg = res
+    _, _, da, de, db = plan.sweep("grad", a, e, b, cts[0].astype(jnp.float32), vocab_offset, fwd=bg)
     ga, ge, gb = cast_grads(a, e, b, da, de, db, 1.0)
     return ga, ge, gb, None
 

@@ -29,11 +29,17 @@ def local_targets(targets, pad_id: int, vocab_offset, v_local: int, vocab_size: 
       (local ids [M, L] int32 in [0, v_local) where valid, valid mask [M, L]):
       valid = first occurrence, not pad_id, in [0, vocab_size), owned by this shard.
     """
-    ids, first = unique_sorted(targets)
+    ids, valid = valid_targets(targets, pad_id, vocab_size)
     local = ids - vocab_offset
-    valid = (first & (ids != pad_id) & (ids >= 0) & (ids < vocab_size)
-             & (local >= 0) & (local < v_local))
+    valid = valid & (local >= 0) & (local < v_local)
     return jnp.where(valid, local, 0), valid
+
+
+def valid_targets(targets, pad_id: int, vocab_size: int):
+    """Each row's target set T: (sorted ids [M, L] int32, valid mask [M, L]) where valid marks
+    the first occurrence of an id that is not ``pad_id`` and lies in [0, vocab_size)."""
+    ids, first = unique_sorted(targets)
+    return ids, first & (ids != pad_id) & (ids >= 0) & (ids < vocab_size)
 
 
 def invalid_count(targets, pad_id: int, vocab_size: int):

@@ -17,9 +17,9 @@ import pytest  # noqa: E402
 import recloss  # noqa: E402
 
 
-def strategies():
-    """Every registered strategy; Pallas ones run in interpret mode on CPU."""
-    return recloss.available_strategies()
+def strategies(objective: str = "bce"):
+    """Every registered strategy of ``objective``; Pallas ones run in interpret mode on CPU."""
+    return tuple(n for n in recloss.available_strategies() if recloss.get_strategy(n).objective == objective)
 
 
 @pytest.fixture(params=None)

@@ -1,4 +1,5 @@
-"""Float64 numpy ground truth for `recloss.bce_loss`, written from the formula alone.
+"""Float64 numpy ground truth for `recloss.bce_loss` and `recloss.softmax_loss` (`softmax_oracle`,
+at the end), written from the formulas alone.
 
 Nothing here imports recloss: the oracle is an independent reading of
 DESIGN.md "The math" and the `LossOptions` docstring.
@@ -203,4 +204,95 @@ def bce_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent=Non
     }
     near = (np.abs(x - threshold) <= 1e-4 * np.maximum(1.0, np.abs(x))) & live
     slack = float((np.abs(w) * near.sum(1)).sum())
+    return OracleResult(loss, ell.reshape(lead), grads, loss_abs, grad_scale, metrics, slack, x)
+
+
+# ======================================================================== softmax objective
+def logsumexp(x, axis=-1):
+    top = np.max(x, axis=axis, keepdims=True)
+    return np.squeeze(top, axis) + np.log(np.sum(np.exp(x - top), axis=axis))
+
+
+def softmax_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent=None, reduction="mean",
+                   pad_id=-1, label_smoothing=0.0, z_loss=0.0, temperature=1.0, vocab_size=None,
+                   **schedule) -> OracleResult:
+    """Float64 ground truth for `recloss.softmax_loss`, from the formula alone.
+
+    Logits x_iv = (h_i·e_v + b_v)/τ over the live columns v < V (rows ≥ V are
+    inert); T_i the unique ids t ≠ pad_id in [0, V), k_i = |T_i|;
+    Z_i = log Σ_{v<V} exp x_iv, q_iv = (1−ε)·[v ∈ T_i]/k_i + ε/V and
+
+        ℓ_i = Z_i − Σ_v q_iv·x_iv + λ·Z_i²   (0 when k_i = 0),   ∂ℓ_i/∂x_iv = (1 + 2λZ_i)·softmax_v − q_iv.
+
+    Positions with k_i = 0 have weight 0 (also in the mean's Σ w). Reductions and
+    cotangents as `bce_oracle`; gradients chain through x = raw/τ.
+    Metrics: num_targets Σk, invalid_targets, weight_sum Σw' (w' = w·[k > 0]),
+    top1 Σ w'·[argmax_v x_iv ∈ T_i], mean_lse Σ w'·Z / Σ w'. ``metric_slack`` is
+    the weight of rows whose top two logits are within 1e-5·max(1, |x|) (a float32
+    argmax may pick either).
+    """
+    unknown = set(schedule) - set(_SCHEDULE_OPTIONS)
+    if unknown:
+        raise TypeError(f"oracle got unknown options {sorted(unknown)}")
+    h = f64(hidden)
+    lead, d = h.shape[:-1], h.shape[-1]
+    h2 = h.reshape(-1, d)
+    e = f64(table)
+    m, r = h2.shape[0], e.shape[0]
+    v = r if vocab_size is None else int(vocab_size)
+    t2 = np.asarray(targets).reshape(m, -1)
+    w = np.ones(m) if weights is None else f64(weights).reshape(m)
+    tau, eps, lam = float(temperature), float(label_smoothing), float(z_loss)
+
+    raw = h2 @ e.T + (0.0 if bias is None else f64(bias)[None, :])
+    x = raw[:, :v] / tau
+    y, invalid = labels_and_invalid(t2, v, r, pad_id)
+    y = y[:, :v]
+    k = y.sum(1)
+    has = k > 0
+    q = (1.0 - eps) * y / np.maximum(k, 1.0)[:, None] + eps / v
+    z = logsumexp(x)
+    ell = np.where(has, z - (q * x).sum(1) + lam * z * z, 0.0)
+    soft = np.exp(x - z[:, None])
+    dx = np.where(has[:, None], (1.0 + 2.0 * lam * z)[:, None] * soft - q, 0.0)
+    ell_abs = np.where(has, np.abs(z) + (q * np.abs(x)).sum(1) + lam * z * z, 0.0)
+    dx_abs = np.where(has[:, None], np.abs(1.0 + 2.0 * lam * z)[:, None] * soft + q, 0.0)
+
+    wp = w * has
+    wsum = wp.sum()
+    if reduction == "mean":
+        loss = float((wp * ell).sum() / wsum) if wsum != 0 else 0.0
+        c = wp / wsum if wsum != 0 else np.zeros(m)
+        dw = np.where(has, (ell - loss) / wsum, 0.0) if wsum != 0 else np.full(m, np.nan)
+        dw_abs = np.where(has, (ell_abs + abs(loss)) / abs(wsum), 0.0) if wsum != 0 else np.full(m, np.nan)
+        loss_abs = float((np.abs(wp) * ell_abs).sum() / abs(wsum)) if wsum != 0 else 0.0
+    elif reduction == "sum":
+        loss = float((wp * ell).sum())
+        c, dw, dw_abs = wp, ell, ell_abs
+        loss_abs = float((np.abs(wp) * ell_abs).sum())
+    elif reduction == "none":
+        cot = np.ones(m) if cotangent is None else f64(cotangent).reshape(m)
+        loss = (wp * ell).reshape(lead)
+        c, dw, dw_abs = cot * wp, cot * ell, np.abs(cot) * ell_abs
+        loss_abs = (np.abs(wp) * ell_abs).reshape(lead)
+    else:
+        raise ValueError(f"oracle: unknown reduction {reduction!r}")
+
+    g = np.zeros((m, r))
+    g[:, :v] = c[:, None] * dx / tau
+    ga = np.zeros((m, r))
+    ga[:, :v] = np.abs(c)[:, None] * dx_abs / tau
+    grads = {"hidden": (g @ e).reshape(lead + (d,)), "table": g.T @ h2,
+             "bias": None if bias is None else g.sum(axis=0), "weights": dw.reshape(lead)}
+    grad_scale = {"hidden": (ga @ np.abs(e)).reshape(lead + (d,)), "table": ga.T @ np.abs(h2),
+                  "bias": None if bias is None else ga.sum(axis=0), "weights": dw_abs.reshape(lead)}
+
+    top = np.argmax(x, axis=1)
+    hit = y[np.arange(m), top] > 0
+    two = np.sort(x, axis=1)[:, -2:] if v > 1 else np.concatenate([x, x - 1.0], axis=1)
+    near = (two[:, 1] - two[:, 0]) <= 1e-5 * np.maximum(1.0, np.abs(two[:, 1]))
+    metrics = {"num_targets": float(k.sum()), "invalid_targets": float(invalid), "weight_sum": float(wsum),
+               "top1": float((wp * hit).sum()),
+               "mean_lse": float((wp * z).sum() / wsum) if wsum != 0 else 0.0}
+    slack = float((np.abs(wp) * near).sum())
     return OracleResult(loss, ell.reshape(lead), grads, loss_abs, grad_scale, metrics, slack, x)

@@ -162,7 +162,7 @@ def test_loss_options_is_frozen():
 
 
 # ------------------------------------------------------------------------- names
-@pytest.mark.parametrize("bad,suggestion", [("cutbse", "cutbce"), ("dense", "dense_bce"),
+@pytest.mark.parametrize("bad,suggestion", [("cutbse", "cutbce"), ("dense_bc", "dense_bce"),
                                             ("CutBCE", None), ("", None)])
 def test_unknown_strategy(inputs, bad, suggestion):
     for call in (lambda: recloss.get_strategy(bad), lambda: _call(bad, inputs)):

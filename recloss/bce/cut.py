@@ -31,8 +31,9 @@ class Plan(NamedTuple):
     opts: LossOptions
     blocks: sweep_lib.Blocks
 
-    def sweep(self, mode: str, a, e, b, r, vocab_offset):
-        """One sweep in ``mode`` ('loss', 'fused', 'grad'); see `recloss.sweep` for the contract."""
+    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None):
+        """One sweep in ``mode`` ('loss', 'fused', 'grad'); see `recloss.sweep` (``fwd`` is unused: BCE's
+        gradient needs no forward value)."""
         want_loss, want_grad = _MODES[mode]
         return _sweep(a, e, b, r, vocab_offset, self, want_loss=want_loss, want_grad=want_grad)
 

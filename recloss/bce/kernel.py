@@ -52,8 +52,8 @@ class Plan(NamedTuple):
     chip: tiling.Chip
     interpret: Any                   # False, True or a pltpu.InterpretParams
 
-    def sweep(self, mode: str, a, e, b, r, vocab_offset):
-        """One kernel sweep in ``mode``; see `sweep` below and `recloss.sweep` for the contract."""
+    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None):
+        """One kernel sweep in ``mode``; see `sweep` below and `recloss.sweep` (``fwd`` is unused)."""
         return sweep(mode, a, e, b, r, vocab_offset, self)
 
 

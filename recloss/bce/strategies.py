@@ -15,37 +15,59 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from recloss import sweep, targets as targets_lib
+from recloss import metrics as metrics_lib, sweep, targets as targets_lib
 from recloss.bce import bernoulli, cut, dense, kernel
 from recloss.options import LossOptions
 from recloss.pallas import tiling
-from recloss.strategy import Strategy
+from recloss.strategy import COMMON_OPTIONS, Strategy
 
 
-class DenseBCE(Strategy):
+BCE_OPTIONS = ("vocab_reduction", "pos_weight", "focal_gamma", "focal_alpha", "threshold")
+
+
+class BCEStrategy(Strategy):
+    """What the BCE strategies share: the options, the row scale (÷ V for vocab_reduction='mean')
+    and the cut metrics (TP/FP/FN/TN at ``threshold``)."""
+
+    objective = "bce"
+    entry_point = "recloss.bce_loss"
+    options_supported = COMMON_OPTIONS + BCE_OPTIONS
+
+    def row_scale(self, w, weight_sum, *, vocab_size):
+        vscale = 1.0 / vocab_size if self.options.vocab_reduction == "mean" else 1.0
+        return super().row_scale(w * vscale, weight_sum, vocab_size=vocab_size)
+
+    def metrics(self, counts, w, *, vocab_size, invalid, weight_sum, reducer):
+        return metrics_lib.cut_metrics(counts, w, vocab_size=vocab_size, invalid=invalid, weight_sum=weight_sum,
+                                       psum_batch=reducer.batch)
+
+
+class DenseBCE(BCEStrategy):
     """Materialises logits [M, V] and a multi-hot label matrix; autodiff gradients.
 
     The baseline a user writes today; memory O(M·V)."""
 
     name = "dense_bce"
-    objective = "bce"
 
     def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar,
-                   platform):
+                   platform, reducer):
         rows, counts = dense.dense_bce(hidden, table, bias, targets, row_scale, self.options,
                                        vocab_offset=vocab_offset, vocab_size=vocab_size)
         if not self.options.compute_metrics:
             counts = {"targets": counts["targets"]}
-        return (jnp.sum(rows) if scalar else rows), counts
+        return _vocab_sum(jnp.sum(rows) if scalar else rows, counts, reducer)
 
 
-class CutBCE(Strategy):
+def _vocab_sum(loss, counts, reducer):
+    return reducer.vocab(loss), {k: reducer.vocab(v) for k, v in counts.items() if v is not None}
+
+
+class CutBCE(BCEStrategy):
     """Pure-JAX blocked pass (lax.scan over vocab blocks) with a fused single-pass VJP.
 
     Memory O(block_n·block_v + V·D); 6·M·V·D flops for loss+grad of a scalar loss."""
 
     name = "cutbce"
-    objective = "bce"
 
     def plan(self, m: int, v_local: int, vocab_offset, *, vocab_size: int, platform: str):
         """(plan, offset): the static plan of the background sweep (`recloss.sweep`) for M rows and a
@@ -62,7 +84,7 @@ class CutBCE(Strategy):
         return sweep.background_rows(hidden, table, bias, vocab_offset, p)
 
     def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar,
-                   platform):
+                   platform, reducer):
         opts = self.options
         ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, table.shape[0],
                                                vocab_size)
@@ -76,7 +98,7 @@ class CutBCE(Strategy):
         counts = {"targets": n}
         if opts.compute_metrics:
             counts.update(predicted=predicted, tp=tp)
-        return loss, counts
+        return _vocab_sum(loss, counts, reducer)
 
 
 _warned = False

@@ -1,0 +1,102 @@
+"""Blocked pure-JAX sweeps of the softmax log-partition (the `cutce` plan), on `recloss.sweep.blocked`.
+
+'loss' mode: per row a running (max, Σ exp(x − max)) over vocab blocks, and the
+running argmax for the metrics: lse [M] = log Σ_v exp(x_v) over the shard's live
+columns (−inf when it has none), 2·M·V·D flops.
+'grad' mode (the recompute of `recloss.sweep.background_rows`): with the forward's
+lse and the cotangent r, G = r·exp(x − lse)/τ per tile, then dA = G E, dE_j = Gᵀ A,
+db_j = Σ_rows G, 4·M·V·D flops. Nothing of size M·V exists at any time.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax.numpy as jnp
+
+from recloss import sweep as sweep_lib
+from recloss.options import LossOptions
+from recloss.softmax import partition
+
+
+class Plan(NamedTuple):
+    """Static configuration of one blocked log-partition sweep (hashable)."""
+    opts: LossOptions
+    blocks: sweep_lib.Blocks
+
+    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None):
+        """'loss' → (lse [M], (row max [M], argmax id [M]) or None, None, None, None);
+        'grad' (``fwd`` = lse [M], r = cotangent [M]) → (None, None, dA, dE, db)."""
+        if mode == "loss":
+            return _lse_sweep(a, e, b, vocab_offset, self)
+        if mode == "grad":
+            return _grad_sweep(a, e, b, r, fwd, vocab_offset, self)
+        raise ValueError(f"softmax sweeps have modes 'loss' and 'grad', got {mode!r}")
+
+
+def plan(m: int, v_local: int, opts: LossOptions, *, vocab_size: int, static_offset: Optional[int]) -> Plan:
+    """The plan for M rows and a V_local-row table (block sizes from `recloss.sweep.blocks`)."""
+    return Plan(opts, sweep_lib.blocks(m, v_local, block_v=opts.block_v, block_n=opts.block_n,
+                                       vocab_size=vocab_size, static_offset=static_offset))
+
+
+def _logits(a_s, e_j, b_j, inv_t):
+    x = jnp.dot(a_s, e_j.T, preferred_element_type=jnp.float32)
+    if b_j is not None:
+        x = x + b_j.astype(jnp.float32)[None, :]
+    return x if inv_t == 1.0 else x * inv_t
+
+
+def _lse_sweep(a, e, b, vocab_offset, p: Plan):
+    inv_t = 1.0 / p.opts.temperature
+    argmax = p.opts.compute_metrics
+
+    def tile(a_s, rows_s, e_j, b_j, live, col0):
+        xm = partition.masked(_logits(a_s, e_j, b_j, inv_t), live)
+        m, s = partition.tile_lse(xm, live)
+        out = {"m": m, "s": s}
+        if argmax:
+            out["id"] = jnp.argmax(xm, axis=-1).astype(jnp.int32) + col0 + vocab_offset
+        return out, {}
+
+    def combine(old, new):
+        m, s = partition.merge_lse(old["m"], old["s"], new["m"], new["s"])
+        out = {"m": m, "s": s}
+        if argmax:   # strictly greater: the first block (smallest id) wins ties, as jnp.argmax
+            out["id"] = jnp.where(new["m"] > old["m"], new["id"], old["id"])
+        return out
+
+    init = {"m": ((), jnp.float32, partition.NEG), "s": ((), jnp.float32, 0.0)}
+    if argmax:
+        init["id"] = ((), jnp.int32, 0)
+    carry, _ = sweep_lib.blocked(a, e, b, {}, vocab_offset, p.blocks, tile=tile, init=init, emit={},
+                                 combine=combine)
+    lse = partition.lse_of(carry["m"], carry["s"])
+    aux = (carry["m"], carry["id"]) if argmax else None
+    return lse, aux, None, None, None
+
+
+def _grad_sweep(a, e, b, r, lse, vocab_offset, p: Plan):
+    inv_t = 1.0 / p.opts.temperature
+    d = a.shape[1]
+    cdt = jnp.promote_types(a.dtype, e.dtype)
+
+    def tile(a_s, rows_s, e_j, b_j, live, col0):
+        x = _logits(a_s, e_j, b_j, inv_t)
+        g = jnp.exp(x - rows_s["lse"][:, None]) * (rows_s["r"] * inv_t)[:, None]
+        if live is not None:
+            g = jnp.where(live, g, 0.0)
+        gc = g.astype(cdt)
+        block_out = {"de": jnp.dot(gc.T, a_s, preferred_element_type=jnp.float32)}
+        if b_j is not None:
+            block_out["db"] = jnp.sum(g, axis=0)
+        return {"da": jnp.dot(gc, e_j, preferred_element_type=jnp.float32)}, block_out
+
+    emit = {"de": (d,)}
+    if b is not None:
+        emit["db"] = ()
+    # An empty shard has lse = −inf and no live column; a finite stand-in keeps exp() finite there.
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    carry, outs = sweep_lib.blocked(a, e, b, {"r": r, "lse": lse}, vocab_offset, p.blocks, tile=tile,
+                                    init={"da": ((d,), jnp.float32, 0.0)}, emit=emit)
+    return None, None, carry["da"], outs["de"], outs.get("db")

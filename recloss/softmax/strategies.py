@@ -1,0 +1,114 @@
+"""The softmax strategies: `dense_ce` (baseline), `cutce` (blocked pure JAX), `cutce_pallas` (Mosaic TPU).
+
+All three share the loss assembly (`SoftmaxStrategy.local_loss`): the global
+log-partition Z from the shards' log-partitions, the O(L·D) target term, the
+ε/V column sum, z-loss and the metrics. They differ only in how one shard's
+log-partition and its gradient are computed (`log_partition`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from recloss import sweep, targets as targets_lib
+from recloss.softmax import cut, dense, partition
+from recloss.strategy import COMMON_OPTIONS, Strategy
+
+SOFTMAX_OPTIONS = ("z_loss", "temperature")
+
+
+class SoftmaxStrategy(Strategy):
+    """Full-catalogue softmax cross-entropy with multi-positive targets (see `recloss.softmax_loss`).
+
+    Positions without a valid target contribute 0 and leave the mean's denominator.
+    """
+
+    objective = "softmax"
+    entry_point = "recloss.softmax_loss"
+    options_supported = COMMON_OPTIONS + SOFTMAX_OPTIONS
+
+    def log_partition(self, hidden, table, bias, vocab_offset, *, vocab_size: int, platform: str):
+        """This shard's (lse [M] f32, differentiable; (row max [M], argmax id [M]) or None)."""
+        raise NotImplementedError
+
+    def row_weights(self, targets, w, *, vocab_size):
+        _, valid = targets_lib.valid_targets(targets, self.options.pad_id, vocab_size)
+        return jnp.where(jnp.any(valid, axis=-1), w, 0.0)
+
+    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar,
+                   platform, reducer):
+        opts = self.options
+        inv_t = 1.0 / opts.temperature
+        f32 = jnp.float32
+        gids, gvalid = targets_lib.valid_targets(targets, opts.pad_id, vocab_size)
+        k = jnp.sum(gvalid, axis=-1, dtype=f32)                     # |T| per row, over the whole vocab
+        ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, table.shape[0],
+                                               vocab_size)
+        xt = targets_lib.gather_logits(hidden, table, bias, ids)
+        if inv_t != 1.0:
+            xt = xt * inv_t
+        target_sum = reducer.vocab(jnp.sum(jnp.where(valid, xt, 0.0), axis=-1))
+
+        lse_local, aux = self.log_partition(hidden, table, bias, vocab_offset, vocab_size=vocab_size,
+                                            platform=platform)
+        z = partition.global_lse(lse_local, reducer)
+        ell = z - (1.0 - opts.label_smoothing) * target_sum / jnp.maximum(k, 1.0)
+        if opts.z_loss:
+            ell = ell + opts.z_loss * z * z
+        if opts.label_smoothing:
+            ell = ell - (opts.label_smoothing / vocab_size) * reducer.vocab(
+                _column_sum(hidden, table, bias, vocab_offset, vocab_size) * inv_t)
+        ell = jnp.where(k > 0, ell, 0.0)
+        loss = jnp.sum(row_scale * ell) if scalar else row_scale * ell
+
+        counts = {"targets": k}
+        if opts.compute_metrics:
+            top = partition.global_argmax(aux[0], aux[1], reducer)
+            hit = jnp.any(gvalid & (gids == top[:, None]), axis=-1)
+            counts.update(top1=hit.astype(f32), lse=jax.lax.stop_gradient(z))
+        return loss, counts
+
+    def metrics(self, counts, w, *, vocab_size, invalid, weight_sum, reducer):
+        """num_targets (Σ|T|), invalid_targets, weight_sum (of positions with targets) and, with
+        compute_metrics, top1 (Σ w·[argmax ∈ T]) and mean_lse (Σ w·Z / Σ w)."""
+        out = {"num_targets": reducer.batch(jnp.sum(counts["targets"])), "invalid_targets": invalid,
+               "weight_sum": weight_sum}
+        if "top1" in counts:
+            out["top1"] = reducer.batch(jnp.sum(w * counts["top1"]))
+            out["mean_lse"] = reducer.batch(jnp.sum(w * counts["lse"])) / jnp.where(weight_sum > 0,
+                                                                                    weight_sum, 1.0)
+        return out
+
+
+def _column_sum(hidden, table, bias, vocab_offset, vocab_size):
+    """Σ_v (h·e_v + b_v) over the shard's live rows, per row [M] f32: one [D] column sum, not [M, V]."""
+    live = (jnp.arange(table.shape[0]) + vocab_offset < vocab_size)[:, None]
+    col = jnp.sum(jnp.where(live, table, 0), axis=0, dtype=jnp.float32)
+    out = jnp.dot(hidden.astype(jnp.float32), col)
+    if bias is not None:
+        out = out + jnp.sum(jnp.where(live[:, 0], bias, 0), dtype=jnp.float32)
+    return out
+
+
+class DenseCE(SoftmaxStrategy):
+    """Materialises logits [M, V]; autodiff gradients. The baseline a user writes today; memory O(M·V)."""
+
+    name = "dense_ce"
+
+    def log_partition(self, hidden, table, bias, vocab_offset, *, vocab_size, platform):
+        return dense.dense_lse(hidden, table, bias, temperature=self.options.temperature,
+                               vocab_offset=vocab_offset, vocab_size=vocab_size,
+                               argmax=self.options.compute_metrics)
+
+
+class CutCE(SoftmaxStrategy):
+    """Pure-JAX blocked log-partition: a loss-only forward sweep (2·M·V·D flops) and a recomputing
+    backward sweep (4·M·V·D) that emits dE blocks; memory O(block_n·block_v + V·D)."""
+
+    name = "cutce"
+
+    def log_partition(self, hidden, table, bias, vocab_offset, *, vocab_size, platform):
+        static = vocab_offset if isinstance(vocab_offset, int) else None
+        p = cut.plan(hidden.shape[0], table.shape[0], self.options, vocab_size=vocab_size, static_offset=static)
+        return sweep.background_rows(hidden, table, bias, vocab_offset, p)

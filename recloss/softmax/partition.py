@@ -54,12 +54,13 @@ def lse_of(m, s):
 
 def global_lse(lse_local, reducer):
     """The global Z [M] from each vocab shard's log-partition [M] (max over shards, then a sum)."""
-    top = jax.lax.stop_gradient(reducer.vocab_max(lse_local))
+    top = reducer.vocab_max(jax.lax.stop_gradient(lse_local))    # the shift cancels: no gradient (pmax has none)
     return top + jnp.log(reducer.vocab(jnp.exp(lse_local - top)))
 
 
 def global_argmax(row_max, row_id, reducer):
     """The global argmax id [M] from each shard's (row max, its global id); ties go to the smallest id."""
+    row_max = jax.lax.stop_gradient(row_max)
     top = reducer.vocab_max(row_max)
     cand = jnp.where(row_max == top, row_id, _BIG_ID)
     return -reducer.vocab_max(-cand)

@@ -2,7 +2,7 @@
 
     objective   strategies                              entry point
     bce         dense_bce, cutbce, cutbce_pallas        recloss.bce_loss
-    softmax     dense_ce, cutce                         recloss.softmax_loss
+    softmax     dense_ce, cutce, cutce_pallas           recloss.softmax_loss
 
 The table below is the one place a built-in strategy is named; importing this
 module registers it in `recloss.registry`, where `register_strategy` adds a
@@ -15,7 +15,7 @@ from recloss import registry
 from recloss.assemble import LossOutput
 from recloss.bce.strategies import CutBCE, CutBCEPallas, DenseBCE
 from recloss.registry import available_strategies, get_strategy
-from recloss.softmax.strategies import CutCE, DenseCE
+from recloss.softmax.strategies import CutCE, CutCEPallas, DenseCE
 
 BUILTIN_STRATEGIES = {
     "dense_bce": DenseBCE,
@@ -23,6 +23,7 @@ BUILTIN_STRATEGIES = {
     "cutbce_pallas": CutBCEPallas,
     "dense_ce": DenseCE,
     "cutce": CutCE,
+    "cutce_pallas": CutCEPallas,
 }
 for _name, _factory in BUILTIN_STRATEGIES.items():
     registry.register_strategy(_name, _factory)
@@ -78,7 +79,8 @@ def softmax_loss(hidden, table, targets, weights=None, bias=None, *, strategy: s
         (``pad_id`` = padding; other ids outside [0, V) are ignored and counted in
         ``metrics['invalid_targets']``). weights: [...] float or None (= 1).
         bias: [V] or None.
-      strategy: 'cutce' (blocked, any backend), 'dense_ce' (materialises [.., V]).
+      strategy: 'cutce' (blocked, any backend), 'cutce_pallas' (the Mosaic-TPU kernels; CPU
+        only in interpret mode), 'dense_ce' (materialises [.., V]).
       layout: a `recloss.MeshLayout` to run sharded under shard_map, or None.
       **options: `LossOptions` fields: reduction, label_smoothing, z_loss,
         temperature, pad_id, vocab_size, block_v, block_n, compute_metrics.

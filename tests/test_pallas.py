@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import recloss
-from recloss.bce import strategies as bce_strategies
+from recloss.pallas import strategy as pallas_strategy
 from recloss.bce.strategies import CutBCEPallas
 from recloss.pallas import tiling
 
@@ -295,7 +295,7 @@ def test_gpu_is_rejected_naming_cutbce():
 
 
 def test_interpret_warning_once(rng, monkeypatch):
-    monkeypatch.setattr(bce_strategies, "_warned", False)
+    monkeypatch.setattr(pallas_strategy, "_warned", set())
     hidden, table, targets, _, _ = _inputs(rng, (5,), 130, 8, bias=False)
     s = recloss.get_strategy("cutbce_pallas")
     with warnings.catch_warnings(record=True) as seen:

@@ -11,7 +11,7 @@ from recloss.pallas import tiling
 def test_tiling_rules_and_budget(chip):
     c = tiling.CHIPS[chip]
     opts = recloss.LossOptions()
-    for mode in ("fused", "loss", "grad"):
+    for mode in tiling.MODES:
         for m, v, d, dt in ((4096, 876939, 128, jnp.float32), (4096, 876939, 128, jnp.bfloat16),
                             (2048, 876939, 256, jnp.float32), (32768, 100000, 128, jnp.float32),
                             (13, 300, 37, jnp.float32)):
@@ -24,6 +24,19 @@ def test_tiling_rules_and_budget(chip):
     t = tiling.choose("fused", 65536, 100000, 256, jnp.float32, jnp.float32, opts, bias=True,
                       chip=tiling.CHIPS["v5p"])
     assert t.num_chunks > 1 and t.vmem_bytes <= tiling.CHIPS["v5p"].budget_bytes
+
+
+def test_modes_and_their_estimates():
+    assert set(tiling.MODES) == {"fused", "loss", "grad", "softmax_loss", "softmax_grad"}
+    assert {m.strategy for m in tiling.MODES.values()} == {"cutbce_pallas", "cutce_pallas"}
+    est = lambda mode, **kw: tiling.vmem_estimate(mode, 512, 256, 1024, 128, 4, 4, bias=True, **kw)
+    # Gradient modes hold dA and dE_j; the softmax loss holds three lane vectors (max, sum-exp, id).
+    assert est("softmax_loss", accumulate=False) < est("softmax_grad", accumulate=False)
+    assert est("softmax_grad", accumulate=False) < est("softmax_grad", accumulate=True)
+    assert est("softmax_grad", accumulate=False) < est("grad", accumulate=False)   # fewer temporaries
+    with pytest.raises(ValueError, match="mode must be one of"):
+        tiling.choose("softmax", 8, 128, 8, jnp.float32, jnp.float32, recloss.LossOptions(), bias=False,
+                      chip=tiling.GENERIC)
 
 
 def test_chip_from_device_kind():

@@ -8,17 +8,12 @@ custom-VJP shells of `recloss.sweep`.
 
 from __future__ import annotations
 
-import threading
-import warnings
-from typing import Any, Optional
-
 import jax
 import jax.numpy as jnp
 
 from recloss import metrics as metrics_lib, sweep, targets as targets_lib
 from recloss.bce import bernoulli, cut, dense, kernel
-from recloss.options import LossOptions
-from recloss.pallas import tiling
+from recloss.pallas.strategy import PallasStrategy
 from recloss.strategy import COMMON_OPTIONS, Strategy
 
 
@@ -101,22 +96,7 @@ class CutBCE(BCEStrategy):
         return _vocab_sum(loss, counts, reducer)
 
 
-_warned = False
-_warn_lock = threading.Lock()
-
-
-def _warn_interpret_once():
-    global _warned
-    with _warn_lock:
-        if _warned:
-            return
-        _warned = True
-    warnings.warn("strategy 'cutbce_pallas' is running its Pallas kernel in interpret mode "
-                  "(slow; meant for testing on CPU). On TPU it compiles with Mosaic; elsewhere "
-                  "use strategy='cutbce'.", RuntimeWarning, stacklevel=3)
-
-
-class CutBCEPallas(CutBCE):
+class CutBCEPallas(PallasStrategy, CutBCE):
     """CutBCE with the background as one fused Pallas (Mosaic-TPU) sweep.
 
     Same sparse target correction and metrics as `CutBCE`. Memory O(bn·D + bv·D)
@@ -134,35 +114,13 @@ class CutBCEPallas(CutBCE):
     """
 
     name = "cutbce_pallas"
-    platforms = ("cpu", "tpu")
-
-    def __init__(self, options: LossOptions, *, chip: Optional[str] = None, interpret_params: Any = None):
-        super().__init__(options)
-        if chip is not None:
-            tiling.get_chip(chip)          # validates the name
-        self.chip = chip
-        self.interpret_params = interpret_params
-
-    def check_platform(self, platform: str):
-        if platform == "gpu":
-            raise ValueError("strategy 'cutbce_pallas' is a Mosaic-TPU Pallas kernel and does not run on "
-                             "platform 'gpu'; use strategy='cutbce' (blocked pure JAX, same math and "
-                             "fused gradient) instead")
-        super().check_platform(platform)
-
-    def interpret(self, platform: str) -> bool:
-        """Whether the kernel runs in Pallas interpret mode on ``platform``."""
-        if self.options.interpret is not None:
-            return self.options.interpret
-        return platform != "tpu"
+    fallback = "cutbce"
+    fallback_note = "blocked pure JAX, same math and fused gradient"
 
     def plan(self, m: int, v_local: int, vocab_offset, *, vocab_size: int, platform: str):
         if m == 0:   # no rows: nothing for a kernel grid to walk; the pure-JAX sweep gives the empty sums
             return super().plan(m, v_local, vocab_offset, vocab_size=vocab_size, platform=platform)
-        interpret = self.interpret(platform)
-        if interpret and platform != "tpu":
-            _warn_interpret_once()
-        mode = (self.interpret_params or True) if interpret else False
+        chip, mode = self.kernel_config(platform)
         static = vocab_offset if isinstance(vocab_offset, int) else None
-        p = kernel.Plan(self.options, int(vocab_size), static, tiling.get_chip(self.chip), mode)
+        p = kernel.Plan(self.options, int(vocab_size), static, chip, mode)
         return p, jnp.asarray(vocab_offset, jnp.int32)

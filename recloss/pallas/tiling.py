@@ -1,9 +1,11 @@
-"""Block sizes and VMEM budgets for the Mosaic-TPU kernels (the BCE one: `recloss.bce.kernel`).
+"""Block sizes and VMEM budgets for the Mosaic-TPU kernels (BCE: `recloss.bce.kernel`, softmax:
+`recloss.softmax.kernel`, both on the grid of `recloss.pallas.grid`).
 
 One kernel call keeps a row tile resident in VMEM and walks vocabulary blocks:
 
-    resident per call:  A [bn, Dp] (input dtype), dA [bn, Dp] f32, and the
-                        per-row vectors r, bg, counts as [bn, 128] f32 lanes
+    resident per call:  A [bn, Dp] (input dtype), dA [bn, Dp] f32 (gradient
+                        modes), and the per-row vectors as [bn, 128] f32 lanes
+                        (BCE: r, bg, counts; softmax: r, lse or max, sum-exp, argmax)
     per vocab step:     E_j [bv, Dp], b_j [1, bv], dE_j [bv, Dp], db_j [1, bv]
     temporaries:        ~K logit-shaped [bs, bv] f32 arrays for the inner row
                         sub-tile loop (x, softplus, sigmoid, value, G, ...)
@@ -13,6 +15,9 @@ outer loop of row chunks (``num_chunks`` > 1), with dE accumulated across
 chunks in HBM. Sizes follow the (8, 128) tiling rule: bv is a multiple of 128
 (it is the lane dimension of the bias/db blocks), bn a multiple of 8 rows (16
 for 16-bit hidden states, which pack two rows per sublane).
+
+Modes (`MODES`): the BCE kernel's 'fused', 'loss', 'grad' and the softmax
+kernel's 'softmax_loss', 'softmax_grad'.
 """
 
 from __future__ import annotations
@@ -35,8 +40,27 @@ _BUDGET_FRACTION = 0.8
 _TEMP_SHARE = 1 / 3
 _BV_TARGET = 1024
 _BS_TARGET = 512
-# Logit-shaped f32 temporaries alive at once, per mode (see module docstring).
-_TEMPS = {"fused": 10, "loss": 6, "grad": 9}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """What the VMEM estimate needs to know about one kernel mode."""
+    strategy: str        # the strategy whose kernel runs it (named in errors)
+    grad: bool           # dA resident, dE_j/db_j written per block
+    row_vectors: int     # per-row vectors resident as [bn, 128] f32 lanes
+    temps: int           # logit-shaped [bs, bv] f32 temporaries alive at once
+
+
+MODES = {
+    # BCE (recloss.bce.kernel): bg, counts (loss modes); r (gradient modes).
+    "fused": Mode("cutbce_pallas", True, 3, 10),
+    "loss": Mode("cutbce_pallas", False, 2, 6),
+    "grad": Mode("cutbce_pallas", True, 1, 9),
+    # Softmax (recloss.softmax.kernel): running max, sum-exp, argmax; r and lse for the recompute.
+    # Temporaries: x, x/τ masked, exp (loss); x, x/τ, exp(x − lse), G, G cast (grad).
+    "softmax_loss": Mode("cutce_pallas", False, 3, 4),
+    "softmax_grad": Mode("cutce_pallas", True, 2, 6),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,15 +185,14 @@ def sublanes(dtype) -> int:
 def vmem_estimate(mode: str, bn: int, bs: int, bv: int, d_pad: int, a_bytes: int, e_bytes: int, *,
                   bias: bool, accumulate: bool) -> int:
     """VMEM bytes one kernel call needs (per TensorCore), pipelined blocks double-buffered."""
-    grad = mode in ("fused", "grad")
-    loss = mode in ("fused", "loss")
-    row_vectors = (2 if loss else 0) + (1 if grad else 0)          # bg, counts; r
+    spec = MODES[mode]
+    grad, row_vectors = spec.grad, spec.row_vectors
     per_row = d_pad * (a_bytes + (4 if grad else 0)) + LANES * 4 * row_vectors
     de_bytes = 4 if grad else 0
     per_col = d_pad * (e_bytes + de_bytes + (4 if accumulate else 0))
     per_col += 8 * 4 * ((1 if bias else 0) + (1 if grad and bias else 0))   # [1, bv] pads to 8 sublanes
     scratch = bv * d_pad * 4 if grad and e_bytes < 4 else 0   # f32 dE accumulator for 16-bit tables
-    return 2 * (bn * per_row + bv * per_col) + scratch + _TEMPS[mode] * bs * bv * 4
+    return 2 * (bn * per_row + bv * per_col) + scratch + spec.temps * bs * bv * 4
 
 
 def _inner_rows(bn: int, sub: int) -> int:
@@ -183,15 +206,18 @@ def _inner_rows(bn: int, sub: int) -> int:
 
 def choose(mode: str, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: LossOptions, *,
            bias: bool, chip: Chip) -> Tiling:
-    """Block sizes for ``mode`` ('fused': loss+grads, 'loss', 'grad') on ``chip``.
+    """Block sizes for ``mode`` (one of `MODES`: 'fused' = BCE loss+grads, 'loss', 'grad',
+    'softmax_loss', 'softmax_grad') on ``chip``.
 
     Explicit ``opts.block_n`` / ``opts.block_v`` are used as given (clamped to
     the problem size) and must obey the tiling rule and fit the VMEM budget:
     anything else is a ValueError naming the value, the rule and the budget.
     """
     import numpy as np
-    if mode not in _TEMPS:
-        raise ValueError(f"mode must be one of {tuple(_TEMPS)}, got {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
+    spec = MODES[mode]
+    who = spec.strategy
     a_bytes, e_bytes = np.dtype(a_dtype).itemsize, np.dtype(e_dtype).itemsize
     sub = sublanes(a_dtype)
     d_pad = _round_up(d, LANES)
@@ -202,17 +228,17 @@ def choose(mode: str, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Loss
              f"({_BUDGET_FRACTION:.0%} of vmem_limit_bytes={chip.vmem_limit_bytes / MiB:.1f} MiB)")
 
     if opts.block_v is not None and opts.block_v % LANES:
-        raise ValueError(f"LossOptions.block_v={opts.block_v} is invalid for cutbce_pallas: the TPU "
+        raise ValueError(f"LossOptions.block_v={opts.block_v} is invalid for {who}: the TPU "
                          f"(8, 128) tiling rule needs a multiple of {LANES} (it is the lane dimension "
                          f"of the bias and db blocks); {where}")
     if opts.block_n is not None and opts.block_n % sub:
-        raise ValueError(f"LossOptions.block_n={opts.block_n} is invalid for cutbce_pallas with "
+        raise ValueError(f"LossOptions.block_n={opts.block_n} is invalid for {who} with "
                          f"{np.dtype(a_dtype).name} hidden states: the TPU (8, 128) tiling rule needs "
                          f"a multiple of {sub} rows; {where}")
 
     def estimate(bn, bs, bv, chunks):
         return vmem_estimate(mode, bn, bs, bv, d_pad, a_bytes, e_bytes, bias=bias,
-                             accumulate=chunks > 1 and mode != "loss")
+                             accumulate=chunks > 1 and spec.grad)
 
     bv = min(opts.block_v or _BV_TARGET, v_pad)
     if opts.block_n is not None:
@@ -226,12 +252,12 @@ def choose(mode: str, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Loss
         if need > budget:
             raise ValueError(
                 f"LossOptions.block_n={opts.block_n}, block_v={opts.block_v} need about "
-                f"{need / MiB:.1f} MiB of VMEM for cutbce_pallas (D={d}, mode {mode!r}), over {where}; "
+                f"{need / MiB:.1f} MiB of VMEM for {who} (D={d}, mode {mode!r}), over {where}; "
                 f"choose smaller blocks or leave them None to size them automatically")
         return Tiling(bn, bs, bv, chunks, _cores(chip, v_local, bv), d_pad, need, chip)
 
     bs = min(_BS_TARGET, m_pad)
-    temps = lambda bs_, bv_: _TEMPS[mode] * bs_ * bv_ * 4
+    temps = lambda bs_, bv_: spec.temps * bs_ * bv_ * 4
     while temps(bs, bv) > budget * _TEMP_SHARE and opts.block_v is None and bv > 2 * LANES:
         bv = _halve(bv)
     while temps(bs, bv) > budget * _TEMP_SHARE and bs > 128:
@@ -239,7 +265,7 @@ def choose(mode: str, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Loss
     if estimate(bs, bs, bv, 2) > budget:
         what = f"LossOptions.block_v={bv}" if opts.block_v else f"block_v={bv}"
         raise ValueError(
-            f"cutbce_pallas cannot tile D={d} with {what} and {bs}-row tiles within {where}; "
+            f"{who} cannot tile D={d} with {what} and {bs}-row tiles within {where}; "
             f"the smallest such configuration needs {estimate(bs, bs, bv, 2) / MiB:.1f} MiB")
     # All rows in one resident tile when they fit (no dE accumulation in HBM).
     one = _round_up(m_pad, bs)

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from recloss import sweep, targets as targets_lib
-from recloss.softmax import cut, dense, partition
+from recloss.pallas.strategy import PallasStrategy
+from recloss.softmax import cut, dense, kernel, partition
 from recloss.strategy import COMMON_OPTIONS, Strategy
 
 SOFTMAX_OPTIONS = ("z_loss", "temperature")
@@ -112,3 +113,32 @@ class CutCE(SoftmaxStrategy):
         static = vocab_offset if isinstance(vocab_offset, int) else None
         p = cut.plan(hidden.shape[0], table.shape[0], self.options, vocab_size=vocab_size, static_offset=static)
         return sweep.background_rows(hidden, table, bias, vocab_offset, p)
+
+
+class CutCEPallas(PallasStrategy, CutCE):
+    """CutCE with the log-partition as Mosaic-TPU Pallas kernels: a loss-only forward sweep
+    (2·M·V·D flops; running max, sum-exp and argmax lanes resident in VMEM) and a recomputing
+    backward sweep (4·M·V·D) that writes each dE block once. Memory O(bn·D + bv·D) VMEM per core,
+    O(V·D) HBM for dE. Runs on TPU; on CPU only in Pallas interpret mode (for tests); on GPU use
+    'cutce'.
+
+    Args:
+      options: LossOptions (``block_n``/``block_v`` map to the kernel's row tile
+        and vocab block; ``interpret`` None = interpret off TPU).
+      chip: tile for this chip ('v4', 'v5e', 'v5p', 'v6e', 'v7') instead of the
+        detected one; a two-core chip also selects the split vocab grid.
+      interpret_params: a ``pltpu.InterpretParams`` used whenever the kernel
+        runs in interpret mode (e.g. ``detect_races=True``).
+    """
+
+    name = "cutce_pallas"
+    fallback = "cutce"
+
+    def log_partition(self, hidden, table, bias, vocab_offset, *, vocab_size, platform):
+        if hidden.shape[0] == 0:   # no rows: nothing for a kernel grid to walk; the pure-JAX sweep
+            return super().log_partition(hidden, table, bias, vocab_offset, vocab_size=vocab_size,
+                                         platform=platform)
+        chip, mode = self.kernel_config(platform)
+        static = vocab_offset if isinstance(vocab_offset, int) else None
+        p = kernel.Plan(self.options, int(vocab_size), static, chip, mode)
+        return sweep.background_rows(hidden, table, bias, jnp.asarray(vocab_offset, jnp.int32), p)

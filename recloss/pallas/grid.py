@@ -1,0 +1,311 @@
+"""The vocabulary-sweep grid shared by the Mosaic-TPU kernels (BCE: `recloss.bce.kernel`, softmax:
+`recloss.softmax.kernel`); an objective supplies only the math of one logit sub-tile.
+
+`sweep` pads the problem and runs one `pallas_call` per row chunk (`call`):
+
+* rows are padded to the tiling's ``bn · num_chunks`` (zero hidden states; each
+  per-row input vector with its own fill), D to a multiple of 128 lanes;
+* the grid is ``(cores, vocab blocks per core)``: the row tile A [bn, Dp], the
+  per-row input vectors [bn, 1], the per-core [bn, 128] lane accumulators an
+  objective asks for (`RowOut`) and, in gradient kernels, dA [bn, Dp] f32 stay
+  resident in VMEM while the grid walks vocab blocks E_j [bv, Dp] ('arbitrary'
+  axis). On two-TensorCore chips the leading axis of 2 splits the vocab blocks
+  (the last step of the last core may have no block, and is skipped); each core
+  writes its own partials, which the caller combines (`Result.summed`);
+* each step masks E_j's rows past V_local (a partial last block reads
+  unspecified memory), computes ``live`` [1, bv] (columns before V_local and at
+  global ids < vocab_size, from iota and the prefetched vocab offset) when
+  columns need masking, and runs an inner loop over row sub-tiles of ``bs`` rows:
+  ``X = A_s E_jᵀ (+ b_j)`` on the MXU in f32, then the objective's ``tile``
+  callback with a `Step`; `Step.grad` adds ``G E_j`` to dA, ``Gᵀ A_s`` to dE_j
+  and ``Σ_rows G`` to db_j (dE_j, db_j written once per block);
+* when the rows do not fit one resident tile, a `lax.scan` over row chunks
+  accumulates dE/db in HBM (f32, aliased in place: ``input_output_aliases``).
+
+Each call carries a `pl.CostEstimate` (flops and transcendentals per logit from
+the `Spec`, bytes from the operands), the chip's ``vmem_limit_bytes`` and the
+core axis' semantics (`recloss.pallas.tiling`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from recloss._compat import tpu_compiler_params
+from recloss.pallas import tiling
+
+LANES = tiling.LANES
+
+
+def lane_fold(x):
+    """[rows, k·128] → [rows, 128] by adding lane-aligned column groups (no cross-lane work)."""
+    acc = x[:, :LANES]
+    for k in range(1, x.shape[1] // LANES):
+        acc = acc + x[:, k * LANES:(k + 1) * LANES]
+    return acc
+
+
+def lane_groups(x):
+    """The lane-aligned [rows, 128] column groups of ``x`` [rows, k·128], in column order."""
+    return [x[:, k * LANES:(k + 1) * LANES] for k in range(x.shape[1] // LANES)]
+
+
+class RowOut(NamedTuple):
+    """A per-core [bn, 128] lane accumulator resident across the vocab blocks (set to ``fill`` at
+    the first block of each core)."""
+    name: str
+    dtype: Any = jnp.float32
+    fill: float = 0.0
+
+
+class Spec(NamedTuple):
+    """What one objective's kernel adds to the shared grid."""
+    name: str                   # pallas_call name, e.g. 'cutbce_fused'
+    grad: bool                  # emits dA [bn, Dp] per core, dE [V_local, Dp], db [1, V_local]
+    row_out: Sequence[RowOut]   # per-core lane accumulators, in output order
+    tile: Callable              # tile(step: Step) for one [bs, bv] sub-tile
+    flops: int                  # flops per (row, column, padded D lane): 2 per matmul
+    transcendentals: int        # per (row, column)
+
+
+class Step:
+    """One [bs, bv] logit sub-tile as a `Spec.tile` callback sees it.
+
+    Attributes: ref (refs by name: 'a', 'e', 'b', the row inputs, the `RowOut`
+    names, 'da', 'de', 'db'), rows (the sub-tile's row slice of every resident
+    [bn, ·] ref), a [bs, Dp] and e [bv, Dp] (compute dtype, E_j's rows past
+    V_local zeroed), x [bs, bv] f32 (A_s E_jᵀ + b_j),
+    live [1, bv] bool or None (all columns live), block (global vocab block
+    index), off_ref (the prefetched [1] int32 vocab offset).
+    """
+
+    def __init__(self, ref, rows, a, e, x, live, block, off_ref, grad):
+        self.ref, self.rows, self.a, self.e, self.x, self.live = ref, rows, a, e, x, live
+        self.block, self.off_ref = block, off_ref
+        self._grad = grad
+
+    def grad(self, g):
+        """dA_s += G E_j, dE_j += Gᵀ A_s, db_j += Σ_rows G for G [bs, bv] f32 (dead columns zeroed)."""
+        self._grad(self, g)
+
+
+def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vocab_size: int,
+         mask_cols: bool, de_dtype, interpret):
+    """One pallas_call over all vocab blocks for one row tile.
+
+    a [bn, Dp], e [V_local, Dp], b [1, V_local] or None, row_in [(name, [bn, 1]
+    f32)], de_in [V_local, Dp] f32 / db_in [1, V_local] f32 (accumulated into,
+    aliased to the outputs) or None, off [1] int32.
+    Returns dict with each `RowOut` [cores, bn, 128], da [cores, bn, Dp] f32,
+    de [V_local, Dp], db [1, V_local] f32 (gradient specs; db with a bias).
+    """
+    grad = spec.grad
+    has_bias = b is not None
+    accumulate = de_in is not None
+    v_local = e.shape[0]
+    bn, bs, bv, cores, dp = t.bn, t.bs, t.bv, t.cores, t.d_pad
+    nb = -(-v_local // bv)
+    nbc = -(-nb // cores)
+    may_skip = nbc * cores != nb          # the last step of the last core has no block
+    mask_rows = v_local % bv != 0          # the last block's rows past V_local are unspecified
+    cdt = a.dtype if a.dtype == e.dtype else jnp.promote_types(a.dtype, e.dtype)
+    nsub = bn // bs
+
+    def blk(c, j):
+        return jnp.minimum(c * nbc + j, nb - 1)
+
+    col = lambda: pl.BlockSpec((bv, dp), lambda c, j, o: (blk(c, j), 0))          # E_j, dE_j
+    lane = lambda: pl.BlockSpec((1, bv), lambda c, j, o: (0, blk(c, j)))          # b_j, db_j
+    resident = lambda w: pl.BlockSpec((bn, w), lambda c, j, o: (0, 0))           # A, row inputs
+    per_core = lambda w: pl.BlockSpec((None, bn, w), lambda c, j, o: (c, 0, 0))  # lane outputs, dA
+    inputs = [(n, x, spec_) for n, x, spec_ in (
+        ("a", a, resident(dp)), ("e", e, col()), ("b", b, lane()),
+        *((n, x, resident(1)) for n, x in row_in),
+        ("de_in", de_in, col()), ("db_in", db_in, lane())) if x is not None]
+    f32 = jnp.float32
+    outputs = [(o.name, jax.ShapeDtypeStruct((cores, bn, LANES), o.dtype), per_core(LANES))
+               for o in spec.row_out]
+    outputs += [(n, jax.ShapeDtypeStruct(shape, dt), spec_) for n, shape, dt, spec_, want in (
+        ("da", (cores, bn, dp), f32, per_core(dp), grad),
+        ("de", (v_local, dp), de_dtype, col(), grad),
+        ("db", (1, v_local), f32, lane(), grad and has_bias)) if want]
+    inits = list(spec.row_out) + ([RowOut("da")] if grad else [])
+    names = [n for n, _, _ in inputs]
+    out_names = [n for n, _, _ in outputs]
+    # dE/db of earlier row chunks are read and overwritten in place. Input
+    # positions count the scalar-prefetch operand (position 0).
+    aliases = {1 + names.index(n + "_in"): out_names.index(n) for n in ("de", "db") if n + "_in" in names}
+    scratch = []
+    de_scratch = grad and jnp.dtype(de_dtype) != jnp.float32
+    if de_scratch:
+        scratch.append(pltpu.VMEM((bv, dp), jnp.float32))
+
+    def add_grad(step, g):
+        ref = step.ref
+        if step.live is not None:
+            g = jnp.where(step.live, g, 0.0)
+        gc = g.astype(cdt)
+        ref["da"][step.rows, :] += jnp.dot(gc, step.e, preferred_element_type=jnp.float32)
+        acc = ref["de_acc"] if de_scratch else ref["de"]
+        acc[...] += jax.lax.dot_general(gc, step.a, (((0,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+        if has_bias:
+            ref["db"][...] += jnp.sum(g, axis=0, keepdims=True)
+
+    def kernel(off_ref, *refs):
+        ref = dict(zip(names + out_names + (["de_acc"] if de_scratch else []), refs))
+        c, j = pl.program_id(0), pl.program_id(1)
+        jg = c * nbc + j
+
+        @pl.when(j == 0)
+        def _init():
+            for o in inits:
+                shape = ref[o.name].shape
+                ref[o.name][...] = (jnp.zeros(shape, o.dtype) if o.fill == 0
+                                    else jnp.full(shape, o.fill, o.dtype))
+
+        def step():
+            e_blk = ref["e"][...]
+            if mask_rows:
+                row = jg * bv + jax.lax.broadcasted_iota(jnp.int32, (bv, 1), 0)
+                e_blk = jnp.where(row < v_local, e_blk, jnp.zeros_like(e_blk))
+            e_blk = e_blk.astype(cdt)
+            bias = ref["b"][...].astype(jnp.float32) if has_bias else None
+            live = None
+            if mask_cols:
+                cols = jg * bv + jax.lax.broadcasted_iota(jnp.int32, (1, bv), 1)
+                live = (cols < v_local) & (cols + off_ref[0] < vocab_size)
+            if grad:
+                acc = ref["de_acc"] if de_scratch else ref["de"]
+                acc[...] = (ref["de_in"][...] if accumulate else jnp.zeros(acc.shape, jnp.float32))
+                if has_bias:
+                    ref["db"][...] = (ref["db_in"][...] if accumulate
+                                      else jnp.zeros(ref["db"].shape, jnp.float32))
+
+            def sub_tile(s, carry):
+                rows = pl.ds(pl.multiple_of(s * bs, bs), bs)
+                a_s = ref["a"][rows, :].astype(cdt)
+                x = jax.lax.dot_general(a_s, e_blk, (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+                if bias is not None:
+                    x = x + bias
+                spec.tile(Step(ref, rows, a_s, e_blk, x, live, jg, off_ref, add_grad))
+                return carry
+
+            jax.lax.fori_loop(0, nsub, sub_tile, 0)
+            if de_scratch:
+                ref["de"][...] = ref["de_acc"][...].astype(ref["de"].dtype)
+
+        if may_skip:
+            pl.when(jg < nb)(step)
+        else:
+            step()
+
+    a_bytes, e_bytes = jnp.dtype(a.dtype).itemsize, jnp.dtype(e.dtype).itemsize
+    out_bytes = sum(int(o.size) * jnp.dtype(o.dtype).itemsize for _, o, _ in outputs)
+    in_bytes = bn * dp * a_bytes + v_local * dp * e_bytes + (v_local * 4 if has_bias else 0)
+    in_bytes += bn * 4 * len(row_in) + (v_local * (dp + 1) * 4 if accumulate else 0)
+    cost = pl.CostEstimate(
+        flops=int(spec.flops * bn * v_local * dp),
+        transcendentals=int(spec.transcendentals * bn * v_local),
+        bytes_accessed=int(in_bytes + out_bytes))
+    core_axis = t.chip.core_semantics if cores > 1 else "arbitrary"
+    params = tpu_compiler_params(dimension_semantics=(core_axis, "arbitrary"),
+                                 vmem_limit_bytes=t.chip.vmem_limit_bytes)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=[o for _, o, _ in outputs],
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(cores, nbc),
+                                               in_specs=[s for _, _, s in inputs],
+                                               out_specs=[s for _, _, s in outputs],
+                                               scratch_shapes=scratch),
+        input_output_aliases=aliases,
+        compiler_params=params,
+        cost_estimate=cost,
+        interpret=interpret,
+        name=spec.name,
+    )(off, *[x for _, x, _ in inputs])
+    return dict(zip(out_names, outs))
+
+
+class Result(NamedTuple):
+    """What `sweep` returns: per-core row outputs {name: [chunks, cores, bn, w]} and the raw
+    (D-padded) dE [V_local, Dp] / db [1, V_local] (None where not produced)."""
+    per_chunk: dict
+    de: Any
+    db: Any
+    m: int
+    d: int
+
+    def summed(self, name: str, width: int):
+        """[M, width] of output ``name``: the core partials summed, padded rows and lanes dropped."""
+        x = self.per_chunk[name]
+        rows = x.shape[0] * x.shape[2]
+        return jnp.sum(x, axis=1).reshape(rows, x.shape[-1])[:self.m, :width]
+
+    def lanes(self, name: str):
+        """[M, cores·128] of a lane output: each core's lanes side by side (to combine across)."""
+        x = self.per_chunk[name]
+        chunks, cores, bn, w = x.shape
+        return jnp.swapaxes(x, 1, 2).reshape(chunks * bn, cores * w)[:self.m]
+
+    def table_grads(self):
+        """(dE [V_local, D] or None, db [V_local] or None), the D padding dropped."""
+        de = None if self.de is None else (self.de if self.de.shape[1] == self.d else self.de[:, :self.d])
+        db = None if self.db is None else self.db.reshape(self.db.shape[1])
+        return de, db
+
+
+def sweep(spec: Spec, t: tiling.Tiling, a, e, b, vocab_offset, *, rows: Sequence = (), vocab_size: int,
+          static_offset: Optional[int], interpret) -> Result:
+    """Rows ``a`` [M, D] against ``e`` [V_local, D] (bias ``b`` [V_local] or None) in one sweep.
+
+    rows: per-row inputs [(name, [M] vector, fill for padded rows)], cast to
+    f32 and resident as [bn, 1]. static_offset: vocab_offset when it is a
+    Python int (else None: traced), for deciding whether columns need masking.
+    dE is f32, or the table's dtype when one row chunk covers all rows (the sum
+    over rows is then complete in f32 before the single rounding).
+    """
+    m, d = a.shape
+    v = e.shape[0]
+    dp, nrows = t.d_pad, t.rows
+    mask_cols = (v % t.bv != 0 or static_offset is None or static_offset + v > vocab_size)
+    a_p = jnp.pad(a, ((0, nrows - m), (0, dp - d)))
+    e_p = e if dp == d else jnp.pad(e, ((0, 0), (0, dp - d)))
+    b_p = None if b is None else b.reshape(1, v)
+    names = [n for n, _, _ in rows]
+    row_p = [_pad_rows(x.astype(jnp.float32), nrows - m, fill).reshape(nrows, 1) for _, x, fill in rows]
+    off = jnp.asarray(vocab_offset, jnp.int32).reshape(1)
+    de_dtype = e.dtype if t.num_chunks == 1 else jnp.float32
+    run = functools.partial(call, spec, t, vocab_size=vocab_size, mask_cols=mask_cols, de_dtype=de_dtype,
+                            interpret=interpret)
+
+    if t.num_chunks == 1:
+        out = run(a_p, e_p, b_p, list(zip(names, row_p)), None, None, off)
+        per_chunk = {k: x[None] for k, x in out.items() if k not in ("de", "db")}
+        de, db = out.get("de"), out.get("db")
+    else:
+        a_c = a_p.reshape(t.num_chunks, t.bn, dp)
+        row_c = tuple(x.reshape(t.num_chunks, t.bn, 1) for x in row_p)
+
+        def chunk(carry, xs):
+            de_acc, db_acc = carry
+            out = run(xs[0], e_p, b_p, list(zip(names, xs[1])), de_acc, db_acc, off)
+            rows_out = {k: x for k, x in out.items() if k not in ("de", "db")}
+            return (out.get("de"), out.get("db")), rows_out
+
+        init = (jnp.zeros((v, dp), jnp.float32) if spec.grad else None,
+                jnp.zeros((1, v), jnp.float32) if (spec.grad and b is not None) else None)
+        # Unrolled: chunks are few, and XLA's cost analysis then counts every call.
+        (de, db), per_chunk = jax.lax.scan(chunk, init, (a_c, row_c), unroll=True)
+    return Result(per_chunk, de, db, m, d)
+
+
+def _pad_rows(x, n: int, fill: float):
+    return jnp.pad(x, (0, n)) if fill == 0 else jnp.pad(x, (0, n), constant_values=fill)

@@ -1,0 +1,153 @@
+"""Mosaic-TPU Pallas kernels for the softmax log-partition (the `cutce_pallas` plan).
+
+For rows a_i [M, D] against a table shard E [V_local, D] with logits
+x_iv = (a_i·e_v + b_v)/τ, the plan honours `recloss.softmax.cut.Plan.sweep`:
+
+'loss' (2·M·V·D flops): lse_i = log Σ_{live v} exp(x_iv) (−inf for a row with
+no live column) and, with compute_metrics, the row max and its global id
+(first on ties). One `pallas_call` per row chunk on the shared grid of
+`recloss.pallas.grid`: the row tile A [bn, D] and per-row running lanes
+(max m, Σ exp(x − m), argmax id) as [bn, 128] arrays stay resident in VMEM
+while the grid walks vocab blocks ('arbitrary' axis). Lane l of a row keeps
+the running (max, sum-exp, id) of the columns ≡ l (mod 128), updated per sub-tile
+with lane-aligned elementwise work only:
+
+    X = (A_s E_jᵀ + b_j)/τ, dead columns = NEG       f32, on the MXU
+    m' = max(m, X_0, X_1, ...)                         X_k: the k-th 128-column group
+    s  = s·exp(m − m') + Σ_k exp(X_k − m')             0 while a lane has seen no live column
+    id = the global id of the first X_k > running max  (strictly greater: the smallest id wins)
+
+The lanes (and the two TensorCores' partials) are combined here, outside the
+kernel: m = max over lanes, s = Σ s_l·exp(m_l − m), the id of the smallest
+global id among the lanes whose max is m.
+
+'grad' (4·M·V·D, the recompute of `recloss.sweep.background_rows`): with the
+forward's lse and the cotangent r, G = r_i·exp(x − lse_i)/τ on live columns,
+dA = G E (resident), dE_j = Gᵀ A and db_j = Σ_rows G written once per block.
+Rows with lse = −inf (no live column) and padded rows use a stand-in lse of
+−NEG, so their G is exactly 0.
+
+Masked columns use `recloss.softmax.partition.NEG`, never −inf, inside the
+kernel. Row padding, D padding, masking, the two-core split, the row-chunk
+loop with dE/db accumulated in HBM and the cost estimates are the grid's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from recloss.options import LossOptions
+from recloss.pallas import grid, tiling
+from recloss.softmax import partition
+
+_LANES = tiling.LANES
+_BIG_ID = jnp.iinfo(jnp.int32).max
+
+
+class Plan(NamedTuple):
+    """Static configuration of one log-partition sweep (hashable: a custom-VJP static argument)."""
+    opts: LossOptions
+    vocab_size: int                  # real V (global); columns at or past it are inert
+    static_offset: Optional[int]     # vocab_offset when it is a Python int, else None
+    chip: tiling.Chip
+    interpret: Any                   # False, True or a pltpu.InterpretParams
+
+    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None):
+        """'loss' → (lse [M], (row max [M], argmax id [M]) or None, None, None, None);
+        'grad' (``fwd`` = lse [M], r = cotangent [M]) → (None, None, dA, dE, db)."""
+        if mode == "loss":
+            return _lse_sweep(a, e, b, vocab_offset, self)
+        if mode == "grad":
+            return _grad_sweep(a, e, b, r, fwd, vocab_offset, self)
+        raise ValueError(f"softmax sweeps have modes 'loss' and 'grad', got {mode!r}")
+
+
+def _tiling(mode: str, a, e, b, p: Plan) -> tiling.Tiling:
+    m, d = a.shape
+    return tiling.choose(mode, m, e.shape[0], d, a.dtype, e.dtype, p.opts, bias=b is not None, chip=p.chip)
+
+
+def _loss_spec(opts: LossOptions, bv: int) -> grid.Spec:
+    inv_t = 1.0 / opts.temperature
+    argmax = opts.compute_metrics
+    neg = partition.NEG
+
+    def tile(st: grid.Step):
+        ref, rows, live = st.ref, st.rows, st.live
+        x = st.x if inv_t == 1.0 else st.x * inv_t
+        if live is not None:
+            x = jnp.where(live, x, neg)
+        groups = grid.lane_groups(x)
+        m_old = ref["m"][rows, :]
+        if argmax:
+            best, idx = m_old, ref["id"][rows, :]
+            base = (st.off_ref[0] + st.block * bv
+                    + jax.lax.broadcasted_iota(jnp.int32, (1, _LANES), 1))
+            for k, xk in enumerate(groups):       # in column order: strictly greater keeps the first
+                better = xk > best
+                best = jnp.where(better, xk, best)
+                idx = jnp.where(better, base + k * _LANES, idx)
+            m_new = best
+            ref["id"][rows, :] = idx
+        else:
+            m_new = m_old
+            for xk in groups:
+                m_new = jnp.maximum(m_new, xk)
+        acc = jnp.exp(groups[0] - m_new)
+        for xk in groups[1:]:
+            acc = acc + jnp.exp(xk - m_new)
+        s = ref["s"][rows, :] * jnp.exp(m_old - m_new) + acc
+        if live is not None:
+            # A dead column is NEG: exp(NEG − m') = 0 once the lane has seen a live column; before
+            # that m' = NEG and every exp is 1, so a lane that has seen none keeps s = 0.
+            s = jnp.where(m_new > neg, s, 0.0)
+        ref["s"][rows, :] = s
+        ref["m"][rows, :] = m_new
+
+    row_out = [grid.RowOut("m", jnp.float32, neg), grid.RowOut("s")]
+    if argmax:
+        row_out.append(grid.RowOut("id", jnp.int32, 0))
+    return grid.Spec("cutce_loss", False, tuple(row_out), tile, flops=2, transcendentals=1)
+
+
+def _lse_sweep(a, e, b, vocab_offset, p: Plan):
+    t = _tiling("softmax_loss", a, e, b, p)
+    res = grid.sweep(_loss_spec(p.opts, t.bv), t, a, e, b, vocab_offset, vocab_size=p.vocab_size,
+                     static_offset=p.static_offset, interpret=p.interpret)
+    m_l, s_l = res.lanes("m"), res.lanes("s")            # [M, cores·128]
+    m = jnp.max(m_l, axis=-1)
+    s = jnp.sum(s_l * jnp.exp(m_l - m[:, None]), axis=-1)
+    lse = partition.lse_of(m, s)
+    aux = None
+    if p.opts.compute_metrics:
+        idx = jnp.min(jnp.where(m_l == m[:, None], res.lanes("id"), _BIG_ID), axis=-1)
+        aux = (m, idx)
+    return lse, aux, None, None, None
+
+
+def _grad_spec(opts: LossOptions) -> grid.Spec:
+    inv_t = 1.0 / opts.temperature
+
+    def tile(st: grid.Step):
+        ref, rows = st.ref, st.rows
+        x = st.x if inv_t == 1.0 else st.x * inv_t
+        st.grad(jnp.exp(x - ref["lse"][rows, :]) * ref["r"][rows, :])
+
+    return grid.Spec("cutce_grad", True, (), tile, flops=4, transcendentals=1)
+
+
+def _grad_sweep(a, e, b, r, lse, vocab_offset, p: Plan):
+    t = _tiling("softmax_grad", a, e, b, p)
+    inv_t = 1.0 / p.opts.temperature
+    # No live column (lse = −inf) and padded rows: a stand-in far above any logit, so exp() is 0.
+    big = -partition.NEG
+    lse = jnp.where(jnp.isneginf(lse), big, lse)
+    rows = [("r", r * inv_t if inv_t != 1.0 else r, 0.0), ("lse", lse, big)]
+    res = grid.sweep(_grad_spec(p.opts), t, a, e, b, vocab_offset, rows=rows, vocab_size=p.vocab_size,
+                     static_offset=p.static_offset, interpret=p.interpret)
+    da = res.summed("da", a.shape[1])
+    de, db = res.table_grads()
+    return None, None, da, de, db

@@ -181,7 +181,7 @@ def test_one_loss_mapping_serves_every_plugin():
                        "pos_weight=2", "focal_gamma=1", "focal_alpha=0.25", "loss_threshold=-0.5",
                        "loss_interpret=true", "vocab_reduction=sum"])
     values = {key: cfg[key] for key in LOSS_OPTION_KEYS if key in SCHEMA}
-    assert len(values) == 9  # every loss option of the trainer's config
+    assert len(values) == 11  # every loss option of the trainer's config
     trainer = loss_options(cfg)
     assert resolve_config({"loss": cfg.loss, **values}) == \
         ("dense_bce", trainer.replace(pad_id=recloss.LossOptions().pad_id))
@@ -189,8 +189,60 @@ def test_one_loss_mapping_serves_every_plugin():
         ("dense_bce", trainer.replace(reduction="sum", pad_id=maxtext.FIELDS["loss_pad_id"].default))
 
 
+def test_base_yml_loss_defaults_are_the_loss_options_defaults():
+    # A softmax strategy refuses BCE-only options set to anything but their default (and vice versa), so
+    # base.yml, which every config inherits, must hold exactly recloss.LossOptions' defaults.
+    data = yaml.safe_load(BASE.read_text())
+    trainer_keys = [key for key in LOSS_OPTION_KEYS if key in SCHEMA]
+    assert {"z_loss", "temperature"} <= set(trainer_keys)
+    assert build_loss_options({key: data[key] for key in trainer_keys}) == recloss.LossOptions()
+    for name in recloss.available_strategies():
+        cfg = load_config([str(BASE), f"loss={name}"])
+        assert recloss.get_strategy(name, loss_options(cfg)).name == name
+
+
+def test_softmax_options_map_and_load():
+    cfg = load_config([str(BASE), "loss=cutce", "z_loss=1e-4", "temperature=0.5", "label_smoothing=0.1",
+                       "loss_block_v=128"])
+    opts = loss_options(cfg, vocab_size=512)
+    assert (opts.z_loss, opts.temperature, opts.label_smoothing, opts.block_v) == (1e-4, 0.5, 0.1, 128)
+    assert recloss.get_strategy(cfg.loss, opts).objective == "softmax"
+    assert load_config([str(BASE), "loss=dense_ce"]).loss == "dense_ce"
+
+
+@pytest.mark.parametrize("args, key, fragment", [
+    (["loss=cutce", "pos_weight=2"], "pos_weight", "strategy 'cutce' (softmax objective"),
+    (["loss=dense_ce", "vocab_reduction=sum"], "vocab_reduction", "strategy 'dense_ce'"),
+    (["loss=cutce", "focal_gamma=2"], "focal_gamma", "strategy 'cutce'"),
+    (["loss=cutce", "focal_alpha=0.25"], "focal_alpha", "strategy 'cutce'"),
+    (["loss=cutce", "loss_threshold=0.5"], "loss_threshold", "strategy 'cutce'"),
+    (["loss=cutbce", "z_loss=1e-4"], "z_loss", "strategy 'cutbce' (bce objective"),
+    (["loss=dense_bce", "temperature=0.5"], "temperature", "strategy 'dense_bce'"),
+    (["loss=cutce", "temperature=0"], "temperature", "temperature=0.0"),
+    (["loss=cutce", "z_loss=-1"], "z_loss", "z_loss=-1.0"),
+])
+def test_options_of_the_other_objective_fail_naming_key_and_strategy(args, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config([str(BASE), *args])
+    msg = str(err.value)
+    assert msg.startswith(f"config key {key!r}"), msg
+    assert fragment in msg, msg
+
+
+def test_options_of_the_other_objective_fail_in_yaml_too(tmp_path):
+    exp = tmp_path / "exp.yml"
+    exp.write_text(f"base_config: {BASE}\nloss: cutce\npos_weight: 3.0\n")
+    with pytest.raises(ConfigError, match=r"config key 'pos_weight' \(in .*exp.yml\).*strategy 'cutce'.*"
+                                          r"default 1.0"):
+        load_config([str(exp)])
+    load_config([str(exp), "pos_weight=1"])  # the default is fine for every strategy
+
+
 def test_main_reports_config_errors_with_exit_code_2(capsys):
     from recloss_plugins.sasrec.train import main
     assert main([str(BASE), "learnig_rate=1"]) == 2
     err = capsys.readouterr().err
     assert "learnig_rate" in err and "learning_rate" in err
+    assert main([str(BASE), "loss=cutce", "pos_weight=2"]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "'pos_weight'" in err and "'cutce'" in err

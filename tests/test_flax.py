@@ -1,4 +1,4 @@
-"""Flax plugin: NNX and linen MultiLabelHead, make_loss_fn, config errors."""
+"""Flax plugin: NNX and linen MultiLabelHead, make_loss_fn, config errors; BCE and softmax strategies."""
 
 import flax.linen as nn
 import jax
@@ -11,6 +11,8 @@ from jax.sharding import Mesh
 
 import recloss
 from recloss_plugins.flax import LinenMultiLabelHead, MultiLabelHead, make_loss_fn, resolve_config
+
+from conftest import strategies
 
 try:
     import ml_collections
@@ -207,6 +209,120 @@ def test_head_built_from_loss_options(rng):
     assert linen_head.loss_strategy.options == options
 
 
+# ------------------------------------------------------------------ softmax strategies: equal softmax_loss
+SOFTMAX_HEAD_CASES = [
+    ("cutce", dict(block_v=16)),
+    ("cutce", dict(block_v=32, label_smoothing=0.1, z_loss=1e-3, temperature=0.5, reduction="sum")),
+    ("dense_ce", dict(temperature=2.0, z_loss=1e-4)),
+] + [(name, dict(z_loss=1e-4)) for name in strategies("softmax") if name not in ("cutce", "dense_ce")]
+
+
+def _softmax_direct(targets, weights, strategy, opts):
+    def direct(table, bias, hidden):
+        out = recloss.softmax_loss(hidden, table, targets, weights, bias, strategy=strategy, **opts)
+        return out.loss, out.metrics
+    return jax.jit(jax.value_and_grad(direct, argnums=(0, 1, 2), has_aux=True))
+
+
+@pytest.mark.parametrize("strategy,opts", SOFTMAX_HEAD_CASES)
+def test_nnx_head_with_a_softmax_strategy_equals_softmax_loss(rng, strategy, opts):
+    hidden, targets, weights = _inputs(rng, v=128)
+    head = MultiLabelHead(128, 8, strategy=strategy, use_bias=True, rngs=nnx.Rngs(int(rng.integers(99))),
+                          **opts)
+    assert head.strategy.objective == "softmax" and head.strategy.name == strategy
+    head.bias[...] = jnp.asarray(rng.standard_normal(128), jnp.float32)
+
+    def via_head(head, hidden):
+        out = head(hidden, targets, weights)
+        return out.loss, out.metrics
+
+    (loss, metrics), (g_head, g_hidden) = nnx.jit(nnx.value_and_grad(via_head, argnums=(0, 1), has_aux=True))(
+        head, hidden)
+    (want_loss, want_metrics), want = _softmax_direct(targets, weights, strategy, opts)(
+        head.table[...], head.bias[...], hidden)
+    np.testing.assert_allclose(loss, want_loss, **TIGHT)
+    assert {"top1", "mean_lse", "weight_sum", "num_targets"} <= set(metrics) and "tp" not in metrics
+    _assert_tree_close(metrics, want_metrics, **TIGHT)
+    _assert_tree_close((g_head.table[...], g_head.bias[...], g_hidden), want, **TIGHT)
+    assert float(jnp.abs(want[0]).sum()) > 0 and float(jnp.abs(want[1]).sum()) > 0
+
+
+@pytest.mark.parametrize("strategy,opts", SOFTMAX_HEAD_CASES[1:2])
+def test_linen_head_with_a_softmax_strategy_equals_softmax_loss(rng, strategy, opts):
+    hidden, targets, weights = _inputs(rng, v=128)
+    head = LinenMultiLabelHead(num_items=128, features=8, strategy=strategy, options=opts, use_bias=True)
+    assert head.loss_strategy.objective == "softmax"
+    params = head.init(jax.random.key(int(rng.integers(99))), hidden, targets)["params"]
+    params = {**params, "bias": jnp.asarray(rng.standard_normal(128), jnp.float32)}
+
+    def via_head(p, hidden):
+        out = head.apply({"params": p}, hidden, targets, weights)
+        return out.loss, out.metrics
+
+    (loss, metrics), (g_params, g_hidden) = jax.jit(jax.value_and_grad(via_head, argnums=(0, 1), has_aux=True))(
+        params, hidden)
+    (want_loss, want_metrics), want = _softmax_direct(targets, weights, strategy, opts)(
+        params["table"], params["bias"], hidden)
+    np.testing.assert_allclose(loss, want_loss, **TIGHT)
+    _assert_tree_close(metrics, want_metrics, **TIGHT)
+    _assert_tree_close((g_params["table"], g_params["bias"], g_hidden), want, **TIGHT)
+
+
+def test_nnx_model_trains_with_a_softmax_head(rng):
+    # Each position has L=3 targets sharing the softmax mass: the loss falls towards log 3 and the
+    # argmax lands on a target (metrics top1 / weight_sum).
+    v, d = 96, 16
+    items, targets, weights = _memorise_data(rng, v)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(v, d, rngs=rngs)
+            self.proj = nnx.Linear(d, d, rngs=rngs)
+            self.head = MultiLabelHead(v, d, strategy="cutce", tied=True, block_v=32, z_loss=1e-4)
+
+        def __call__(self, items, targets, weights):
+            hidden = self.proj(jax.nn.gelu(self.embed(items)))
+            return self.head(hidden, targets, weights, table=self.embed.embedding)
+
+    model = Model(nnx.Rngs(int(rng.integers(1 << 30))))
+    opt = nnx.Optimizer(model, optax.adam(3e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+        def loss_fn(m):
+            out = m(items, targets, weights)
+            return out.loss, out.metrics
+        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        opt.update(model, grads)
+        return loss, metrics
+
+    losses = []
+    for _ in range(150):
+        loss, metrics = step(model, opt)
+        losses.append(float(loss))
+    assert np.all(np.isfinite(losses))
+    assert losses[0] > np.log(v) - 1 and losses[-1] < np.log(3) + 0.3, (losses[0], losses[-1])
+    assert float(metrics["top1"] / metrics["weight_sum"]) > 0.9
+
+
+def test_softmax_head_option_errors_and_scores(rng):
+    with pytest.raises(ValueError, match=r"strategy 'cutce' \(softmax objective\).*pos_weight=2.0"):
+        MultiLabelHead(10, 4, strategy="cutce", pos_weight=2.0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"strategy 'cutbce' \(bce objective\).*z_loss=0.001"):
+        MultiLabelHead(10, 4, strategy="cutbce", z_loss=1e-3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"strategy 'dense_ce'.*focal_gamma=2.0"):
+        LinenMultiLabelHead(num_items=10, features=4, strategy="dense_ce", options={"focal_gamma": 2.0})
+    with pytest.raises(ValueError, match="temperature=0.0"):
+        MultiLabelHead(10, 4, strategy="cutce", temperature=0.0, rngs=nnx.Rngs(0))
+    # BCE options at their defaults are fine for a softmax strategy.
+    assert MultiLabelHead(10, 4, strategy="cutce", pos_weight=1.0, rngs=nnx.Rngs(0)).strategy.name == "cutce"
+    # scores are the logits the softmax loss sees: divided by the temperature.
+    hidden, _, _ = _inputs(rng)
+    head = MultiLabelHead(67, 8, strategy="cutce", temperature=0.5, rngs=nnx.Rngs(1))
+    want = np.einsum("bnd,vd->bnv", np.asarray(hidden, np.float64), np.asarray(head.table[...], np.float64)) / 0.5
+    np.testing.assert_allclose(head.scores(hidden), want, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------ tied embeddings
 class _TiedNnx(nnx.Module):
     def __init__(self, v, d, rngs):
@@ -398,6 +514,45 @@ def test_make_loss_fn_jit_grad_equals_bce_loss(rng):
     # Both spellings of an option resolve to the same LossOptions.
     assert resolve_config({"threshold": 0.3, "block_v": 16}) == resolve_config(
         {"loss_threshold": 0.3, "loss_block_v": 16})
+
+
+def test_make_loss_fn_with_a_softmax_strategy_equals_softmax_loss(rng):
+    hidden, targets, weights = _inputs(rng)
+    table = jnp.asarray(rng.standard_normal((67, 8)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(67), jnp.float32)
+    fn = make_loss_fn(_config(loss="cutce", z_loss=1e-4, temperature=0.5, loss_block_v=16))
+    assert fn.options == recloss.LossOptions(z_loss=1e-4, temperature=0.5, block_v=16)
+    assert fn.strategy.name == "cutce" and fn.strategy.objective == "softmax"
+    assert make_loss_fn({"loss": "cutce", "z_loss": 1e-4, "temperature": 0.5}).options == \
+        recloss.LossOptions(z_loss=1e-4, temperature=0.5)
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 4), has_aux=True))(
+        hidden, table, targets, weights, bias)
+
+    def direct(h, e, b):
+        out = recloss.softmax_loss(h, e, targets, weights, b, strategy="cutce", z_loss=1e-4, temperature=0.5,
+                                   block_v=16)
+        return out.loss, out.metrics
+
+    (want_loss, want_metrics), want = jax.jit(jax.value_and_grad(direct, argnums=(0, 1, 2), has_aux=True))(
+        hidden, table, bias)
+    np.testing.assert_allclose(loss, want_loss, **TIGHT)
+    _assert_tree_close(metrics, want_metrics, **TIGHT)
+    _assert_tree_close(grads, want, **TIGHT)
+    # The prefixed spellings name the same options.
+    assert resolve_config({"loss": "cutce", "loss_z_loss": 1e-4, "loss_temperature": 0.5}) == \
+        ("cutce", recloss.LossOptions(z_loss=1e-4, temperature=0.5))
+
+
+@pytest.mark.parametrize("config, key", [
+    ({"loss": "cutce", "pos_weight": 2}, "pos_weight"),
+    ({"loss": "dense_ce", "loss_threshold": 0.5}, "loss_threshold"),
+    ({"loss": "cutce", "vocab_reduction": "sum"}, "vocab_reduction"),
+    ({"loss": "cutbce", "z_loss": 1e-4}, "z_loss"),
+    ({"loss": "cutbce", "loss_temperature": 2.0}, "loss_temperature"),
+])
+def test_make_loss_fn_rejects_options_of_the_other_objective_naming_the_key(config, key):
+    with pytest.raises(ValueError, match=rf"loss config key {key!r}=.*strategy {config['loss']!r}"):
+        make_loss_fn(config)
 
 
 def test_config_errors():

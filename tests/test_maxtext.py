@@ -7,7 +7,12 @@ Two groups:
   ``loss_fn`` calls the module-global ``vocab_tiling_nnx_loss`` hook);
 * with MaxText installed (Python >= 3.12): ``pyconfig.initialize`` with
   `config_class()`, and the loss and every parameter gradient of a tiny real
-  MaxText Transformer against BCE computed from MaxText's own logits.
+  MaxText Transformer against BCE computed from MaxText's own logits, and
+  (softmax strategies) against MaxText's own vocab-tiled cross-entropy.
+
+Softmax strategies (``loss=cutce`` ...) must be MaxText's token cross-entropy:
+optax.softmax_cross_entropy_with_integer_labels over the target mask, plus the
+z-loss of ``z_loss_multiplier``.
 """
 
 import math
@@ -17,6 +22,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
@@ -24,6 +30,8 @@ from jax.sharding import Mesh
 import recloss
 from recloss_plugins import maxtext as rm
 from recloss_plugins.maxtext import loss as rm_loss
+
+from conftest import strategies
 
 EPS = 1e-8
 
@@ -158,6 +166,13 @@ class _Model(nnx.Module):
         return y @ self.decoder.logits_dense.kernel[...]
 
 
+def _param_tol(tied):
+    """Parameter-gradient tolerance: a tied head reads the embedding rounded to bfloat16 (as MaxText does), so
+    the embedding's gradient is rounded to bfloat16 too and two exact computations may land one bf16 ulp
+    (2^-8 relative) apart."""
+    return dict(rtol=1e-2, atol=1e-6) if tied else dict(rtol=2e-5, atol=1e-6)
+
+
 def _batch(rng, b=2, t=6, v=40, num_labels=None):
     shape = (b, t) if num_labels is None else (b, t, num_labels)
     return {"targets": jnp.asarray(rng.integers(0, v, shape), jnp.int32),
@@ -199,7 +214,7 @@ def test_vocab_loss_matches_dense_bce_of_the_output_head(rng, tied, num_labels, 
 
     g_ours = nnx.jit(nnx.grad(ours, argnums=(0, 1)))(model, hidden)
     g_dense = nnx.jit(nnx.grad(dense, argnums=(0, 1)))(model, hidden)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **_param_tol(tied)),
                  nnx.state(g_ours[0], nnx.Param), nnx.state(g_dense[0], nnx.Param))
     np.testing.assert_allclose(g_ours[1], g_dense[1], rtol=2e-5, atol=1e-6)
     used = g_ours[0].token_embedder.embedding[...] if tied else g_ours[0].decoder.logits_dense.kernel[...]
@@ -226,6 +241,124 @@ def test_loss_from_hidden_with_mesh_layout(rng):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     with pytest.raises(ValueError, match="no mesh was given"):
         rm.loss_from_hidden(hidden, table, data, cfg)
+
+
+# ------------------------------------------------------------------ softmax strategies = MaxText's token CE
+SOFTMAX = strategies("softmax")
+
+
+def _blocks(loss, **blocks):
+    """``blocks`` (loss_block_v=...) for the pure-JAX strategies; a Pallas kernel picks its own (128-lane) blocks."""
+    return {} if loss.endswith("_pallas") else blocks
+
+
+def _token_ce(x, targets, mask, z_loss=0.0):
+    """MaxText's masked token cross-entropy sum from logits x [B, T, V]: optax CE + z_loss·lse², over the mask."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(x, targets)
+    ce = ce + z_loss * jax.scipy.special.logsumexp(x, axis=-1) ** 2
+    return jnp.sum(ce * (mask != 0))
+
+
+@pytest.mark.parametrize("loss", SOFTMAX)
+@pytest.mark.parametrize("tied,overrides,z", [
+    (False, dict(loss_block_v=16), 0.0),
+    (True, dict(z_loss_multiplier=1e-3), 1e-3),                    # MaxText's own z-loss key
+    (False, dict(z_loss=1e-3, temperature=0.5, loss_block_v=8), 1e-3),
+])
+def test_softmax_vocab_loss_is_maxtext_token_cross_entropy(rng, loss, tied, overrides, z):
+    v, d = 40, 8
+    overrides = dict(overrides)   # the parameter's dict is shared by the cases of every strategy
+    blocks = _blocks(loss, loss_block_v=overrides.pop("loss_block_v", 0))
+    cfg = _config(loss=loss, logits_via_embedding=tied, **overrides, **blocks)
+    model = _Model(v, d, nnx.Rngs(int(rng.integers(1 << 30))))
+    hidden = jnp.asarray(rng.standard_normal((2, 6, d)), jnp.float32)
+    data = _batch(rng, v=v)
+    tau = overrides.get("temperature", 1.0)
+    name, opts = rm.loss_settings(cfg)
+    assert name == loss and opts.z_loss == z and opts.temperature == tau and opts.reduction == "sum"
+
+    def reference(m, h):
+        return _token_ce(m.logits(h, cfg) / tau, data["targets"], data["targets_segmentation"], z)
+
+    metrics = {}
+    xent_sum, z_sum = rm.vocab_loss(model, hidden, data, cfg, True, metrics_out=metrics)
+    np.testing.assert_allclose(float(xent_sum), float(reference(model, hidden)), rtol=2e-6)
+    assert float(z_sum) == 0.0
+    mask = np.asarray(data["targets_segmentation"] != 0)
+    assert float(metrics["weight_sum"]) == mask.sum() and "tp" not in metrics
+    top = np.argmax(np.asarray(model.logits(hidden, cfg)), -1) == np.asarray(data["targets"])
+    assert float(metrics["top1"]) == (top & mask).sum()
+
+    g_ours = nnx.jit(nnx.grad(lambda m, h: rm.vocab_loss(m, h, data, cfg, True)[0], argnums=(0, 1)))(model, hidden)
+    g_ref = nnx.jit(nnx.grad(reference, argnums=(0, 1)))(model, hidden)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **_param_tol(tied)),
+                 nnx.state(g_ours[0], nnx.Param), nnx.state(g_ref[0], nnx.Param))
+    np.testing.assert_allclose(g_ours[1], g_ref[1], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", SOFTMAX)
+def test_softmax_loss_fn_is_maxtext_mean_token_cross_entropy(rng, monkeypatch, loss):
+    # MaxText's loss_fn divides xent_sum by the mask's token count: the mean of optax's CE over the mask.
+    monkeypatch.setattr(rm_loss, "train_module", lambda: _fake_train_module())
+    v, d = 40, 8
+    cfg = _config(loss=loss, **_blocks(loss, loss_block_v=8))
+    model = _Model(v, d, nnx.Rngs(int(rng.integers(1 << 30))))
+    data = {"inputs": jnp.asarray(rng.integers(0, v, (2, 6)), jnp.int32), **_batch(rng, v=v)}
+
+    def reference(m):
+        hidden = m.token_embedder.embedding[...][data["inputs"]]
+        ce = optax.softmax_cross_entropy_with_integer_labels(m.logits(hidden, cfg), data["targets"])
+        w = (data["targets_segmentation"] != 0).astype(jnp.float32)
+        return jnp.sum(ce * w) / (jnp.sum(w) + EPS)
+
+    loss_value, aux = rm.loss_fn(model, cfg, dict(data), None, None, is_train=True)
+    np.testing.assert_allclose(float(loss_value), float(reference(model)), rtol=2e-6)
+    assert {"top1", "mean_lse", "weight_sum", "num_targets", "invalid_targets"} <= set(aux["recloss_metrics"])
+    grads = nnx.grad(lambda m: rm.loss_fn(m, cfg, dict(data), None, None)[0])(model)
+    want = nnx.grad(reference)(model)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+                 nnx.state(grads, nnx.Param), nnx.state(want, nnx.Param))
+    assert float(jnp.abs(grads.decoder.logits_dense.kernel[...]).sum()) > 0
+
+
+def test_softmax_config_keys_and_errors():
+    assert {"z_loss", "temperature"} <= set(rm.OPTION_KEYS)
+    assert rm.loss_settings(_config(loss="cutce", z_loss=1e-4, temperature=2.0)) == \
+        ("cutce", recloss.LossOptions(reduction="sum", z_loss=1e-4, temperature=2.0))
+    # MaxText's z_loss_multiplier is the softmax z-loss; the same value under both keys is fine.
+    assert rm.loss_settings(_config(loss="cutce", z_loss_multiplier=1e-4))[1].z_loss == 1e-4
+    assert rm.loss_settings(_config(loss="cutce", z_loss=1e-4, z_loss_multiplier=1e-4))[1].z_loss == 1e-4
+    rm.check_supported(_config(loss="cutce", z_loss_multiplier=1e-4))
+    with pytest.raises(ValueError, match=r"z_loss=0.001 and MaxText's z_loss_multiplier=0.0001"):
+        rm.check_supported(_config(loss="cutce", z_loss=1e-3, z_loss_multiplier=1e-4))
+    # BCE strategies have no normaliser to penalise; BCE options stay off softmax strategies.
+    with pytest.raises(ValueError, match=r"z_loss_multiplier=0.0001: .*strategy 'cutbce'.*softmax strategy"):
+        rm.check_supported(_config(loss="cutbce", z_loss_multiplier=1e-4))
+    for overrides, key in ((dict(pos_weight=2.0), "pos_weight"), (dict(vocab_reduction="sum"), "vocab_reduction"),
+                           (dict(loss_threshold=0.5), "loss_threshold"), (dict(focal_gamma=1.0), "focal_gamma")):
+        with pytest.raises(ValueError, match=rf"loss config key {key!r}=.*strategy 'cutce' \(softmax objective"):
+            rm.check_supported(_config(loss="cutce", **overrides))
+    with pytest.raises(ValueError, match=r"loss config key 'z_loss'=.*strategy 'cutbce'"):
+        rm.check_supported(_config(loss="cutbce", z_loss=1e-4))
+    with pytest.raises(ValueError, match=r"final_logits_soft_cap=30.0.*'cutce'"):
+        rm.check_supported(_config(loss="cutce", final_logits_soft_cap=30.0))
+
+
+def test_softmax_config_class_on_a_pydantic_base():
+    pydantic = pytest.importorskip("pydantic", reason="pydantic is not installed (MaxText's config needs it)")
+
+    class Base(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        num_vocab_tiling: int = 1
+        z_loss_multiplier: float = 0.0
+
+    cls = rm.config_class(Base)
+    cfg = cls(num_vocab_tiling=2, loss="cutce", z_loss_multiplier=1e-4, temperature=0.5)
+    assert rm.loss_settings(cfg) == ("cutce", recloss.LossOptions(reduction="sum", z_loss=1e-4, temperature=0.5))
+    with pytest.raises(pydantic.ValidationError, match="pos_weight"):
+        cls(num_vocab_tiling=2, loss="cutce", pos_weight=2.0)
+    with pytest.raises(pydantic.ValidationError, match="z_loss_multiplier"):
+        cls(num_vocab_tiling=2, loss="cutbce", z_loss_multiplier=1e-4)
 
 
 # ------------------------------------------------------------------ loss_fn wrapper, install (no MaxText)
@@ -383,6 +516,34 @@ def test_maxtext_loss_and_grads_match_bce_of_maxtext_logits(maxtext, rng, overri
     for g, w in zip(got_leaves, want_leaves):
         scale = float(jnp.max(jnp.abs(w)))
         assert scale > 0
+        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ("loss=cutce", "loss_block_v=16"),
+    ("loss=cutce", "z_loss_multiplier=1e-4", "logits_via_embedding=true"),
+] + [(f"loss={name}",) for name in SOFTMAX if name not in ("cutce", "dense_ce")])
+def test_maxtext_softmax_loss_and_grads_match_maxtext_own_cross_entropy(maxtext, rng, overrides):
+    # MaxText's own loss_fn (its vocab-tiling hook builds [chunk, V] logits) against the recloss one.
+    train = pytest.importorskip("maxtext.trainers.pre_train.train")
+    cfg = _initialize(maxtext, "num_vocab_tiling=2", *overrides)
+    model = maxtext.create(cfg, rngs=nnx.Rngs(params=int(rng.integers(1 << 30)), dropout=1))
+    b, t, v = cfg.global_batch_size_to_train_on, cfg.max_target_length, cfg.vocab_size
+    data = {"inputs": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
+            "inputs_position": jnp.asarray(np.broadcast_to(np.arange(t), (b, t)), jnp.int32),
+            "inputs_segmentation": jnp.ones((b, t), jnp.int32),
+            "targets": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
+            "targets_segmentation": jnp.asarray(rng.random((b, t)) < 0.8, jnp.int32)}
+    own = rm_loss._maxtext_loss_fn(train)
+    loss, grads = nnx.jit(nnx.value_and_grad(lambda m: rm.loss_fn(m, cfg, dict(data), None, None)[0]))(model)
+    want, want_grads = nnx.jit(nnx.value_and_grad(lambda m: own(m, cfg, dict(data), None, None)[0]))(model)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    got_leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    want_leaves = jax.tree.leaves(nnx.state(want_grads, nnx.Param))
+    assert len(got_leaves) == len(want_leaves) > 0
+    for g, w in zip(got_leaves, want_leaves):
+        scale = max(float(jnp.max(jnp.abs(w))), 1e-12)
         np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=1e-5)
 
 

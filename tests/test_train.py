@@ -1,5 +1,6 @@
-"""recloss-train end to end on tiny synthetic data: artifacts, resume equality, strategy
-equality, non-finite stop, the (2, 2, 2) mesh against one device, and compile_topology's quiet stderr."""
+"""recloss-train end to end on tiny synthetic data: artifacts, resume equality (BCE and softmax),
+strategy equality per objective, the softmax objective's training and metrics, non-finite stop, the
+(2, 2, 2) mesh against one device, and compile_topology's quiet stderr."""
 
 import importlib.util
 import json
@@ -66,8 +67,11 @@ def test_end_to_end_writes_every_artifact(tmp_path, capsys):
     assert 0 <= res["test"]["hit@8"] <= 1
 
 
-def test_resume_ends_with_the_same_parameters(tmp_path):
-    common = ["steps=7", "checkpoint_period=2", "log_period=1"]
+# cutbce keeps the program knobs the other tests share (one compile per session); cutce resumes the
+# softmax objective the same way.
+@pytest.mark.parametrize("loss", ["cutbce", "cutce"])
+def test_resume_ends_with_the_same_parameters(tmp_path, loss):
+    common = ["steps=7", "checkpoint_period=2", "log_period=1", f"loss={loss}"]
     ds = D.build_dataset(_cfg(tmp_path, *common))
     full = train(_cfg(tmp_path, *common, "run_name=full"), devices=_one_device(), dataset=ds,
                  log=lambda *a: None)
@@ -87,9 +91,16 @@ def test_resume_ends_with_the_same_parameters(tmp_path):
     assert resumed.evals["test"] == full.evals["test"]
 
 
-def test_strategies_give_equal_loss_curves(tmp_path):
-    names = [n for n in ("dense_bce", "cutbce", "cutbce_pallas") if n in recloss.available_strategies()]
-    assert names[:2] == ["dense_bce", "cutbce"]
+def _of(objective):
+    return [n for n in recloss.available_strategies() if recloss.get_strategy(n).objective == objective]
+
+
+@pytest.mark.parametrize("objective,names", [("bce", ("dense_bce", "cutbce", "cutbce_pallas")),
+                                             ("softmax", ("dense_ce", "cutce", "cutce_pallas"))])
+def test_strategies_give_equal_loss_curves(tmp_path, objective, names):
+    # The dense baseline, the blocked strategy and the Pallas one once it is registered.
+    expected, names = names, [n for n in names if n in _of(objective)]
+    assert names[:2] == list(expected[:2])
     # Same program knobs as the resume test, so the cutbce program is compiled once per session.
     common = ["steps=7", "checkpoint_period=2", "log_period=1", "enable_checkpointing=false",
               "enable_tensorboard=false"]
@@ -99,10 +110,46 @@ def test_strategies_give_equal_loss_curves(tmp_path):
         r = train(_cfg(tmp_path, *common, f"loss={name}", f"run_name={name}"), devices=_one_device(),
                   dataset=ds, log=lambda *a: None)
         curves[name] = np.array([r.losses[s] for s in range(7)])
-    ref = curves["dense_bce"]
+    ref = curves[names[0]]
     assert ref[-1] < ref[0]
     for name, curve in curves.items():
         np.testing.assert_allclose(curve, ref, rtol=2e-5, err_msg=name)
+
+
+def test_softmax_strategy_trains_logs_top1_and_beats_popularity(tmp_path, capsys):
+    # The softmax objective end to end through the command line: loss=cutce with a z-loss.
+    rc = main([str(default_config_path()), *TINY, f"base_output_directory={tmp_path}", "run_name=ce",
+               "loss=cutce", "z_loss=1e-4", "steps=200", "log_period=20", "checkpoint_period=100",
+               "enable_tensorboard=false"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "loss=cutce" in out and "step 200/200 | loss" in out
+    assert "top1" in out and "mean_lse" in out and "precision" not in out
+    run = tmp_path / "ce"
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train_rows] == list(range(20, 201, 20))
+    for r in train_rows:
+        assert {"loss", "top1", "mean_lse", "grad_norm", "items_per_sec"} <= set(r) and "precision" not in r
+        assert np.isfinite(r["loss"]) and 0 <= r["top1"] <= 1 and np.isfinite(r["mean_lse"])
+    assert train_rows[-1]["loss"] < 0.75 * train_rows[0]["loss"]
+    assert train_rows[-1]["top1"] > train_rows[0]["top1"]
+    res = json.loads((run / "eval_results.json").read_text())
+    assert res["dev"]["hit@8"] > res["dev_popularity"]["hit@8"]
+    assert res["dev"]["ndcg@8"] > res["dev_popularity"]["ndcg@8"]
+    assert load_config([str(run / "config.yml")]).loss == "cutce"
+
+
+def test_loss_metrics_follow_the_objective():
+    from recloss_plugins.sasrec.train import loss_metrics
+    bce = [(0, {"tp": 2.0, "fp": 2.0, "fn": 6.0, "weight_sum": 4.0}), (1, {"tp": 2.0, "fp": 0.0, "fn": 0.0,
+                                                                          "weight_sum": 4.0})]
+    assert loss_metrics("bce", bce) == {"precision": pytest.approx(4 / 6), "recall": pytest.approx(4 / 10)}
+    ce = [(0, {"top1": 1.0, "mean_lse": 2.0, "weight_sum": 4.0}), (1, {"top1": 3.0, "mean_lse": 5.0,
+                                                                        "weight_sum": 2.0})]
+    assert loss_metrics("softmax", ce) == {"top1": pytest.approx(4 / 6), "mean_lse": pytest.approx(18 / 6)}
+    assert set(loss_metrics("", ce)) == {"top1", "mean_lse"} and loss_metrics("", [(0, {})]) == {}
+    assert all(np.isnan(v) for v in loss_metrics("softmax", [(0, {"weight_sum": 0.0})]).values())
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):

@@ -6,7 +6,8 @@
 Every key has a declared type and check (`keys.SCHEMA`); unknown keys, bad
 types and bad values raise `ConfigError` naming the key before any work runs.
 `LOSS_OPTION_KEYS` maps config keys to `recloss.LossOptions` fields for every
-plugin (`build_loss_options`).
+plugin (`build_loss_options`); `check_strategy_options` rejects, naming the key,
+an option the chosen strategy's objective does not take (``loss=cutce pos_weight=2``).
 """
 
 from recloss_plugins.config.keys import SCHEMA, Key, loss_options
@@ -16,6 +17,7 @@ from recloss_plugins.config.loss_keys import (
     LossKey,
     LossOptionError,
     build_loss_options,
+    check_strategy_options,
     option_for,
     option_keys,
 )
@@ -36,6 +38,7 @@ __all__ = [
     "LossKey",
     "LossOptionError",
     "build_loss_options",
+    "check_strategy_options",
     "default_config_path",
     "dump_config",
     "load_config",

@@ -87,16 +87,21 @@ SCHEMA = {
     "adam_b2": _unit(),
     "adam_eps": Key(float, lambda v: v > 0, "a float > 0"),
     # loss
-    "loss": Key(str),  # checked against recloss.available_strategies() at load time
+    # The strategy is checked against recloss.available_strategies() at load time, and the option
+    # values by recloss.LossOptions; an option the strategy's objective does not take must keep its
+    # default (BCE: vocab_reduction, pos_weight, focal_*, loss_threshold; softmax: z_loss, temperature).
+    "loss": Key(str),
     "loss_block_v": _nonneg_int("an int >= 0 (0 = chosen by the strategy)"),
     "loss_block_n": _nonneg_int("an int >= 0 (0 = chosen by the strategy)"),
-    "vocab_reduction": Key(str, choices=("mean", "sum")),
     "label_smoothing": Key(float),
+    "loss_interpret": Key(bool, optional=True),
+    "vocab_reduction": Key(str, choices=("mean", "sum")),
     "pos_weight": Key(float),
     "focal_gamma": Key(float),
     "focal_alpha": Key(float, optional=True),
     "loss_threshold": Key(float),
-    "loss_interpret": Key(bool, optional=True),
+    "z_loss": Key(float),
+    "temperature": Key(float),
     # mesh
     "mesh_axes": Key(list, lambda v: sorted(v) == sorted(MESH_AXES),
                      f"a list holding each of {list(MESH_AXES)} once, in mesh order"),

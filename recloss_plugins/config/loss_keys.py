@@ -5,6 +5,11 @@ and `recloss_plugins.flax.make_loss_fn` all build their LossOptions with
 `build_loss_options`, which reads `LOSS_OPTION_KEYS`. A new loss option is one
 line there; a plugin then passes it on once its own schema declares the key's
 type (`keys.SCHEMA` and configs/base.yml for the trainer, `maxtext.config.FIELDS`).
+
+Which options a strategy takes depends on its objective (BCE: vocab_reduction,
+pos_weight, focal_*, threshold; softmax: z_loss, temperature).
+`check_strategy_options` names the config key of an option set, to a value
+other than its default, for a strategy that does not take it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ LOSS_OPTION_KEYS = {
     "focal_gamma": LossKey("focal_gamma"),
     "focal_alpha": LossKey("focal_alpha"),
     "loss_threshold": LossKey("threshold"),
+    "z_loss": LossKey("z_loss"),
+    "temperature": LossKey("temperature"),
     "loss_interpret": LossKey("interpret"),
     "loss_pad_id": LossKey("pad_id"),
     "loss_vocab_size": LossKey("vocab_size", zero_is_none),
@@ -125,3 +132,32 @@ def _rejected_key(kwargs: Dict[str, Any], source: Dict[str, str]) -> Optional[st
         except (ValueError, TypeError):
             return source[field]
     return None
+
+
+def check_strategy_options(name: str, values: Mapping[str, Any]):
+    """Raises LossOptionError naming the config key when ``values`` set an option that strategy ``name``
+    does not take (e.g. the BCE option ``pos_weight`` for the softmax strategy ``cutce``).
+
+    An option at its `recloss.LossOptions` default is fine for every strategy, so a
+    config that lists every key at its default serves both objectives. ``name``
+    must be registered (`recloss.get_strategy` raises for an unknown one); keys
+    that name no option are ignored here (the callers report them).
+    """
+    strategy = recloss.get_strategy(name)
+    supported = set(strategy.options_supported)
+    defaults = recloss.LossOptions()
+    for key, value in values.items():
+        option = option_for(key) if isinstance(key, str) else None
+        if option is None or option.field in supported:
+            continue
+        default = getattr(defaults, option.field)
+        if option.convert(value) == default:
+            continue
+        takers = [n for n in recloss.available_strategies()
+                  if option.field in recloss.get_strategy(n).options_supported]
+        objectives = sorted({recloss.get_strategy(n).objective or "custom" for n in takers})
+        of = f"an option of the {' and '.join(objectives)} objective" if objectives else "an option"
+        reason = (f"strategy {name!r} ({strategy.objective or 'custom'} objective, "
+                  f"{strategy.entry_point or 'a custom strategy'}) does not take {option.field}={value!r}: "
+                  f"it is {of} (strategies {takers}); remove it or set it to its default {default!r}")
+        raise LossOptionError(f"loss config key {key!r}={value!r} is rejected: {reason}", key, reason)

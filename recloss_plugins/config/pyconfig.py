@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional, Sequence
 import yaml
 
 from recloss_plugins.config.keys import SCHEMA, loss_options
-from recloss_plugins.config.loss_keys import LossOptionError
+from recloss_plugins.config.loss_keys import LOSS_OPTION_KEYS, LossOptionError, check_strategy_options
 
 BASE_CONFIG_KEY = "base_config"
 
@@ -208,11 +208,16 @@ def _check_all(cfg: dict, where: dict):
         fail("loss", f"names no loss strategy: got {cfg['loss']!r}, available are {list(strategies)}"
              + _suggest(cfg["loss"], strategies))
     try:
-        loss_options(cfg)
+        options = loss_options(cfg)
+        check_strategy_options(cfg["loss"], {key: cfg[key] for key in LOSS_OPTION_KEYS if key in SCHEMA})
     except LossOptionError as err:
         if err.key is not None:
             fail(err.key, f"is invalid: {err.reason}")
         raise ConfigError(f"loss options are invalid: {err.reason}") from err
+    try:
+        recloss.get_strategy(cfg["loss"], options)
+    except (ValueError, TypeError) as err:  # anything else the strategy refuses
+        fail("loss", f"cannot be built with this config's loss options: {err}")
     if cfg["emb_dim"] % cfg["num_heads"]:
         fail("num_heads", f"must divide emb_dim={cfg['emb_dim']}, got {cfg['num_heads']}")
     if cfg["global_batch_size"] == 0 and cfg["per_device_batch_size"] == 0:

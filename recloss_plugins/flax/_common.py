@@ -98,14 +98,17 @@ def cast(x, dtype):
 
 
 def dense_scores(hidden, table, bias, options: recloss.LossOptions):
-    """Logits ``hidden · tableᵀ + bias`` over the real catalogue: [..., V] float32.
+    """The loss's logits ``(hidden · tableᵀ + bias) / temperature`` over the real catalogue: [..., V] float32.
 
     Builds the full [..., V] array: for inference over small catalogues only.
-    Rows past ``options.vocab_size`` (padding) are dropped.
+    Rows past ``options.vocab_size`` (padding) are dropped; ``temperature`` is 1
+    unless a softmax strategy sets it (it never changes the ranking).
     """
     scores = jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
     if bias is not None:
         scores = scores + bias.astype(jnp.float32)
+    if options.temperature != 1.0:
+        scores = scores / options.temperature
     if options.vocab_size is not None:
         scores = scores[..., :options.vocab_size]
     return scores

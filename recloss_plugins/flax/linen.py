@@ -1,6 +1,7 @@
 """`MultiLabelHead` for Flax linen: the item table (owned or borrowed) plus the recloss loss.
 
     head = MultiLabelHead(num_items=V, features=D, strategy="cutbce", options={"label_smoothing": 0.1})
+    head = MultiLabelHead(num_items=V, features=D, strategy="cutce", options={"z_loss": 1e-4})  # softmax CE
     variables = head.init(key, hidden, targets)
     out = head.apply(variables, hidden, targets, weights)     # recloss.LossOutput
 
@@ -26,15 +27,18 @@ def _default_table_init(features: int):
 class MultiLabelHead(nn.Module):
     """Multi-label output head: item table E [V, D] (param 'table'), optional bias b [V] (param 'bias').
 
-    The loss is `recloss.bce_loss` of the configured strategy on logits
-    ``x[..., v] = hidden[...]·E[v] + b[v]``, without building [..., V] (for the
-    blocked strategies).
+    The loss is the configured strategy's objective on logits ``x[..., v] =
+    hidden[...]·E[v] + b[v]``, without building [..., V] (for the blocked
+    strategies): `recloss.bce_loss` for a BCE strategy (``cutbce``, metrics
+    tp/fp/fn/tn), `recloss.softmax_loss` for a softmax one (``cutce``, logits
+    divided by ``temperature``; metrics top1, mean_lse).
 
     Attributes:
       num_items: V (None allowed only for a tied head without bias).
       features: D, the hidden size.
       strategy: a registered strategy name or a `recloss.Strategy`.
-      options: a `recloss.LossOptions` or a dict of its fields (None = defaults).
+      options: a `recloss.LossOptions` or a dict of its fields (None = defaults); an
+        option of the other objective (e.g. pos_weight for "cutce") is an error.
       tied: own no table; every call passes ``table=`` [V, D].
       use_bias: own a bias [V] (zeros at init).
       layout: a `recloss.MeshLayout` to run the loss sharded (shard_map).
@@ -92,7 +96,8 @@ class MultiLabelHead(nn.Module):
                                   _common.cast(self._bias(), self.dtype), layout=self.layout)
 
     def scores(self, hidden, table=None):
-        """Dense logits ``hidden·Eᵀ + b`` [..., V] float32 (rows past ``vocab_size`` dropped).
+        """Dense logits ``hidden·Eᵀ + b`` [..., V] float32 (rows past ``vocab_size`` dropped), divided
+        by ``temperature`` when a softmax strategy sets one (the logits its loss sees).
 
         Materialises [..., V]: for inference over small catalogues only.
         Call with ``head.apply(variables, hidden, method="scores")``.

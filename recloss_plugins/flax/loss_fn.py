@@ -1,6 +1,7 @@
 """A loss function built from a trainer's config: ``make_loss_fn(config)(hidden, table, targets, weights)``.
 
     loss_fn = make_loss_fn({"loss": "cutbce", "label_smoothing": 0.1, "loss_block_v": 2048})
+    loss_fn = make_loss_fn({"loss": "cutce", "z_loss": 1e-4, "temperature": 0.5})   # softmax CE
     (loss, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
         hidden, table, targets, weights)
     table_sharding = NamedSharding(mesh, loss_fn.partition_specs(layout).table)
@@ -9,13 +10,18 @@ Config keys (a dict, an ``ml_collections.ConfigDict`` or anything with
 ``to_dict()``):
 
 * ``loss``: the strategy name, one of `recloss.available_strategies()`
-  (default ``"cutbce"``).
+  (default ``"cutbce"``): a BCE strategy (``dense_bce``, ``cutbce``,
+  ``cutbce_pallas``) computes `recloss.bce_loss`, a softmax one (``dense_ce``,
+  ``cutce``, ``cutce_pallas``) `recloss.softmax_loss`.
 * every `recloss.LossOptions` field under its own name (``block_v``,
   ``threshold``, ``label_smoothing``, ...) or with a ``loss_`` prefix
   (``loss_block_v``, ``loss_threshold``, ...), as MaxText-style trainer
   configs spell them. Values convert as `recloss_plugins.config.LOSS_OPTION_KEYS`
   (the mapping every plugin shares) says: ``0`` for ``block_v``, ``block_n``
   and ``vocab_size`` means "not set" (None), the trainer configs' convention.
+  An option of the other objective (BCE: ``vocab_reduction``, ``pos_weight``,
+  ``focal_*``, ``threshold``; softmax: ``z_loss``, ``temperature``) must be
+  absent or at its default.
 
 Any other key is an error unless ``strict=False`` (then keys outside the
 loss's are ignored, so a whole trainer config can be passed; a key that starts
@@ -28,7 +34,8 @@ import difflib
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import recloss
-from recloss_plugins.config import OPTION_PREFIX, build_loss_options, option_for, option_keys
+from recloss_plugins.config import (OPTION_PREFIX, build_loss_options, check_strategy_options, option_for,
+                                    option_keys)
 from recloss_plugins.flax import _common
 
 STRATEGY_KEY = "loss"
@@ -62,7 +69,9 @@ def resolve_config(config, *, strict: bool = True) -> Tuple[str, recloss.LossOpt
 
     Raises ValueError naming the key for an unknown key (with a suggestion), a
     key given twice under both spellings with different values, an unknown
-    strategy, or an option value LossOptions rejects.
+    strategy, an option value LossOptions rejects, or an option the strategy's
+    objective does not take set to a value other than its default (``{"loss":
+    "cutce", "pos_weight": 2}``).
     """
     items = config_to_dict(config)
     name = items.pop(STRATEGY_KEY, DEFAULT_STRATEGY)
@@ -80,17 +89,22 @@ def resolve_config(config, *, strict: bool = True) -> Tuple[str, recloss.LossOpt
             options[key] = value
         elif strict or (isinstance(key, str) and key.startswith(OPTION_PREFIX)):
             raise _unknown_key_error(str(key))
-    return name, build_loss_options(options)
+    built = build_loss_options(options)
+    check_strategy_options(name, options)
+    return name, built
 
 
 def make_loss_fn(config, *, layout: Optional[recloss.MeshLayout] = None, strict: bool = True):
     """``fn(hidden, table, targets, weights=None, bias=None) -> (loss, metrics)`` for ``config``.
 
-    The function is `recloss.bce_loss` with the configured strategy and
-    options: hidden [..., D], table [V, D], targets [..., L] int ids, weights
-    [...] (None = 1), bias [V] or None; loss is Σ w·ℓ / Σ w for the default
-    reduction='mean' (see `recloss.bce_loss` for ℓ). It is pure, so it can be
-    jitted and differentiated (``jax.value_and_grad(fn, has_aux=True)``).
+    The function is the configured strategy's entry point with its options
+    (`recloss.bce_loss` for a BCE strategy, `recloss.softmax_loss` for a
+    softmax one, ``fn.strategy.objective`` says which): hidden [..., D], table
+    [V, D], targets [..., L] int ids, weights [...] (None = 1), bias [V] or
+    None; loss is Σ w·ℓ / Σ w for the default reduction='mean' (see the entry
+    point for ℓ and the metrics: BCE tp/fp/fn/tn, softmax top1 and mean_lse).
+    It is pure, so it can be jitted and differentiated
+    (``jax.value_and_grad(fn, has_aux=True)``).
 
     Attributes of the returned function: ``strategy`` (the `recloss.Strategy`),
     ``options`` (its LossOptions), ``layout``, and ``partition_specs(layout)``

@@ -2,6 +2,7 @@
 
     head = MultiLabelHead(num_items, dim, strategy="cutbce", label_smoothing=0.1, rngs=nnx.Rngs(0))
     out = head(hidden, targets, weights)        # recloss.LossOutput(loss, metrics)
+    head = MultiLabelHead(num_items, dim, strategy="cutce", z_loss=1e-4, rngs=nnx.Rngs(0))   # softmax CE
 
 Tied embeddings: build with ``tied=True`` and pass the shared table at call
 time, ``head(hidden, targets, weights, table=model.embed.embedding)``; the
@@ -20,11 +21,13 @@ from recloss_plugins.flax import _common
 
 
 class MultiLabelHead(nnx.Module):
-    """Multi-label output head: item table E [V, D], optional bias b [V], full-catalogue BCE.
+    """Multi-label output head: item table E [V, D], optional bias b [V], a full-catalogue loss.
 
-    The loss is `recloss.bce_loss` of the configured strategy on logits
-    ``x[..., v] = hidden[...]·E[v] + b[v]``, without building [..., V] (for
-    the blocked strategies).
+    The loss is the configured strategy's objective on logits ``x[..., v] =
+    hidden[...]·E[v] + b[v]``, without building [..., V] (for the blocked
+    strategies): `recloss.bce_loss` for a BCE strategy (``cutbce``, metrics
+    tp/fp/fn/tn), `recloss.softmax_loss` for a softmax one (``cutce``, logits
+    divided by ``temperature``; metrics top1, mean_lse).
 
     Args:
       num_items: V, rows of the table (and of the bias). May be None for a
@@ -32,7 +35,8 @@ class MultiLabelHead(nnx.Module):
       features: D, the hidden size.
       strategy: a registered strategy name or a `recloss.Strategy`.
       options: a `recloss.LossOptions` (or a dict of its fields); keyword
-        ``**option_kwargs`` (LossOptions fields) override it.
+        ``**option_kwargs`` (LossOptions fields) override it. An option of the
+        other objective (e.g. ``pos_weight`` with ``strategy="cutce"``) is an error.
       tied: own no table; every call passes ``table=`` (an array or nnx.Param
         [V, D], e.g. the input embedding).
       use_bias: own a bias [V] (zeros at init).
@@ -90,7 +94,8 @@ class MultiLabelHead(nnx.Module):
                              _common.cast(self._bias(), self.dtype), layout=self.layout)
 
     def scores(self, hidden, *, table=None):
-        """Dense logits ``hidden·Eᵀ + b`` [..., V] float32 (rows past ``vocab_size`` dropped).
+        """Dense logits ``hidden·Eᵀ + b`` [..., V] float32 (rows past ``vocab_size`` dropped), divided
+        by ``temperature`` when a softmax strategy sets one (the logits its loss sees).
 
         Materialises [..., V]: for inference over small catalogues only; for
         large ones use `recloss_plugins.sasrec.eval.blocked_top_k` (top-K over

@@ -5,8 +5,12 @@
     from recloss_plugins import maxtext as rm
 
     rm.install(train)                       # train.loss_fn -> recloss
-    config = pyconfig.initialize(["", "base.yml", "loss=cutbce", "num_vocab_tiling=2"],
+    config = pyconfig.initialize(["", "base.yml", "loss=cutce_pallas", "num_vocab_tiling=2"],
                                  config_class=rm.config_class())
+
+``loss=cutce`` / ``loss=cutce_pallas`` compute MaxText's own token cross-entropy
+(softmax over the vocabulary, z_loss_multiplier included) without [tokens, vocab]
+logits; ``loss=cutbce`` / ``cutbce_pallas`` train with full-vocabulary BCE.
 
 MaxText is imported lazily (only by `config_class`, `loss_fn` and `install`):
 importing this package does not need it. MaxText needs Python >= 3.12; the

@@ -1,5 +1,9 @@
 """MaxText config keys for recloss: a MaxText config class that accepts ``loss=...`` and the loss options.
 
+``loss=cutce`` / ``loss=cutce_pallas`` (softmax strategies) replace MaxText's own token
+cross-entropy with the same loss computed without [tokens, vocab] logits;
+``loss=cutbce`` / ``cutbce_pallas`` train with full-vocabulary BCE instead.
+
 MaxText's pydantic config (``maxtext.configs.types.MaxTextConfig``) forbids
 unknown keys, so ``loss=cutbce_pallas`` on its command line fails. The class
 from `config_class()` subclasses it with the keys below:
@@ -11,26 +15,35 @@ from `config_class()` subclasses it with the keys below:
 
 Keys (the names of recloss's own trainer config, so one YAML vocabulary serves both):
 
-    loss                  recloss strategy, one of recloss.available_strategies()
+    loss                  recloss strategy, one of recloss.available_strategies(): softmax
+                          (dense_ce, cutce, cutce_pallas) or BCE (dense_bce, cutbce, cutbce_pallas)
     loss_block_v          vocabulary block size, 0 = chosen by the strategy
     loss_block_n          row block size, 0 = chosen by the strategy
-    vocab_reduction       'mean' (÷ V per position, Keras) or 'sum'
     label_smoothing       ε in [0, 1)
-    pos_weight            weight of the positive term, > 0
-    focal_gamma           focal γ >= 0 (0 = plain BCE)
-    focal_alpha           focal α in [0, 1], or null
-    loss_threshold        logit threshold of the TP/FP/FN/TN metrics
     loss_interpret        Pallas interpret mode: null = automatic (on off TPU)
+    vocab_reduction       BCE only: 'mean' (÷ V per position, Keras) or 'sum'
+    pos_weight            BCE only: weight of the positive term, > 0
+    focal_gamma           BCE only: focal γ >= 0 (0 = plain BCE)
+    focal_alpha           BCE only: focal α in [0, 1], or null
+    loss_threshold        BCE only: logit threshold of the TP/FP/FN/TN metrics
+    z_loss                softmax only: λ >= 0 of λ·logsumexp² (MaxText's z_loss_multiplier sets it too)
+    temperature           softmax only: τ > 0, logits are divided by it
     loss_pad_id           target id that marks padding (-1: MaxText masks with targets_segmentation)
     loss_batch_axes       mesh axes the tokens are split over for a shard_map'ed loss; [] = no shard_map
     loss_fsdp_axis        mesh axis the table is additionally stored over (with loss_batch_axes), or null
     loss_vocab_axis       mesh axis the vocabulary is split over (with loss_batch_axes), or null
 
+An option of the other objective must stay at its default (``loss=cutce
+pos_weight=2`` is an error naming ``pos_weight``). MaxText's own
+``z_loss_multiplier`` is the softmax strategies' z-loss λ (or set ``z_loss``;
+both set to different values is an error); a BCE strategy has no normaliser
+to penalise, so it needs ``z_loss_multiplier = 0``.
+
 Checked at load time (a clear error before any work): the strategy name, every
 option's value, and the MaxText settings the recloss loss needs
-(``num_vocab_tiling > 1`` so the decoder hands back hidden states,
-``z_loss_multiplier = 0`` and no ``final_logits_soft_cap``: both act on
-softmax logits that this loss never builds).
+(``num_vocab_tiling > 1`` so the decoder hands back hidden states, the
+z-loss as above, and no ``final_logits_soft_cap``: a tanh cap on logits that
+this loss never builds).
 """
 
 from __future__ import annotations
@@ -54,18 +67,23 @@ class Key:
 
 # The annotation strings are resolved against `_annotations()` when the class is built.
 FIELDS = {
-    "loss": Key("str", "cutbce", "recloss strategy: one of recloss.available_strategies()."),
+    "loss": Key("str", "cutbce", "recloss strategy: one of recloss.available_strategies(); softmax "
+                "(dense_ce, cutce, cutce_pallas: MaxText's token cross-entropy) or BCE (dense_bce, cutbce, "
+                "cutbce_pallas)."),
     "loss_block_v": Key("NonNegativeInt", 0, "Vocabulary block size of the recloss loss; 0 = chosen by "
                         "the strategy."),
     "loss_block_n": Key("NonNegativeInt", 0, "Row block size of the recloss loss; 0 = chosen by the "
                         "strategy."),
-    "vocab_reduction": Key("VocabReduction", "mean", "'mean' divides each token's loss by the vocabulary "
-                           "size (Keras convention), 'sum' does not."),
-    "label_smoothing": Key("float", 0.0, "Label smoothing ε in [0, 1) of the recloss BCE."),
-    "pos_weight": Key("float", 1.0, "Weight of the positive BCE term, > 0."),
-    "focal_gamma": Key("float", 0.0, "Focal γ >= 0 of the recloss BCE (0 = plain BCE)."),
-    "focal_alpha": Key("Optional[float]", None, "Focal α in [0, 1], or None for no α-balancing."),
-    "loss_threshold": Key("float", 0.0, "Logit threshold of the recloss TP/FP/FN/TN metrics."),
+    "vocab_reduction": Key("VocabReduction", "mean", "BCE only: 'mean' divides each token's loss by the "
+                           "vocabulary size (Keras convention), 'sum' does not."),
+    "label_smoothing": Key("float", 0.0, "Label smoothing ε in [0, 1) of the recloss loss."),
+    "pos_weight": Key("float", 1.0, "BCE only: weight of the positive BCE term, > 0."),
+    "focal_gamma": Key("float", 0.0, "BCE only: focal γ >= 0 (0 = plain BCE)."),
+    "focal_alpha": Key("Optional[float]", None, "BCE only: focal α in [0, 1], or None for no α-balancing."),
+    "loss_threshold": Key("float", 0.0, "Logit threshold of the recloss TP/FP/FN/TN metrics (BCE only)."),
+    "z_loss": Key("float", 0.0, "Softmax strategies: z-loss λ >= 0, adds λ·logsumexp(logits)² per token; "
+                  "MaxText's z_loss_multiplier sets it too."),
+    "temperature": Key("float", 1.0, "Softmax strategies: temperature τ > 0, the logits are divided by it."),
     "loss_interpret": Key("Optional[bool]", None, "Run Pallas strategies in interpret mode; None = "
                           "automatically when not on TPU."),
     "loss_pad_id": Key("int", -1, "Target id that marks padding. MaxText already masks padding with "
@@ -97,10 +115,20 @@ def loss_settings(config) -> Tuple[str, recloss.LossOptions]:
     The loss is reduced with ``reduction='sum'`` (Σ w·ℓ over tokens): MaxText
     divides by the token count itself (and skips the division under manual
     gradient accumulation). Missing attributes take the defaults of `FIELDS`.
+    For a strategy that takes ``z_loss`` (the softmax ones), MaxText's
+    ``z_loss_multiplier`` is its z-loss λ. Raises ValueError naming the key of
+    an option the strategy does not take, or when ``z_loss`` and
+    ``z_loss_multiplier`` are both set to different values.
     """
     items = {"loss": _get(config, "loss")}
     items.update({key: _get(config, key) for key in OPTION_KEYS})
     name, options = resolve_config(items)
+    multiplier = getattr(config, "z_loss_multiplier", 0.0) or 0.0
+    if multiplier and "z_loss" in recloss.get_strategy(name).options_supported:
+        if options.z_loss and options.z_loss != multiplier:
+            raise ValueError(f"z_loss={options.z_loss} and MaxText's z_loss_multiplier={multiplier} both set "
+                             f"the z-loss of strategy {name!r} to different values; keep one")
+        options = options.replace(z_loss=float(multiplier))
     return name, options.replace(reduction="sum", compute_metrics=True)
 
 
@@ -135,11 +163,11 @@ def check_supported(config):
 
     Checks the strategy and options (via `loss_settings`), MaxText's
     ``num_vocab_tiling`` (> 1, so the decoder returns hidden states instead of
-    logits), ``z_loss_multiplier`` (0) and ``final_logits_soft_cap`` (unset),
-    and the mesh axis keys (``loss_fsdp_axis`` / ``loss_vocab_axis`` need
-    ``loss_batch_axes``).
+    logits), ``z_loss_multiplier`` (0 unless the strategy takes a z-loss, as
+    the softmax ones do) and ``final_logits_soft_cap`` (unset), and the mesh
+    axis keys (``loss_fsdp_axis`` / ``loss_vocab_axis`` need ``loss_batch_axes``).
     """
-    loss_settings(config)
+    name, _ = loss_settings(config)
     tiles = getattr(config, "num_vocab_tiling", None)
     if tiles is not None and tiles <= 1:
         raise ValueError(f"num_vocab_tiling={tiles}: the recloss loss needs num_vocab_tiling > 1 so that "
@@ -147,13 +175,16 @@ def check_supported(config):
                          "any value > 1 that divides per_device_batch_size * max_target_length works "
                          "(recloss walks the vocabulary in its own blocks, loss_block_v)")
     z = getattr(config, "z_loss_multiplier", 0.0)
-    if z:
-        raise ValueError(f"z_loss_multiplier={z}: z-loss penalises the softmax normaliser, which the "
-                         "recloss BCE loss does not have; set z_loss_multiplier=0")
+    if z and "z_loss" not in recloss.get_strategy(name).options_supported:
+        softmax = [n for n in recloss.available_strategies()
+                   if "z_loss" in recloss.get_strategy(n).options_supported]
+        raise ValueError(f"z_loss_multiplier={z}: z-loss penalises the softmax normaliser, which strategy "
+                         f"{name!r} ({recloss.get_strategy(name).objective or 'custom'} objective) does not "
+                         f"have; set z_loss_multiplier=0, or use a softmax strategy ({softmax})")
     cap = getattr(config, "final_logits_soft_cap", None)
     if cap:
         raise ValueError(f"final_logits_soft_cap={cap}: a soft cap (tanh) on the logits is not supported "
-                         "by the recloss loss, which never builds the logits; unset it")
+                         f"by the recloss loss ({name!r}), which never builds the logits; unset it")
     _mesh_axes(config)
 
 

@@ -8,23 +8,36 @@ logits, sows its final hidden states, and ``loss_fn`` hands them to
 (xent_sum, z_loss_sum)``. This module supplies:
 
 * `vocab_loss`: a drop-in for that hook computing ``Σ_tokens w·ℓ`` with the
-  configured recloss strategy (w = ``targets_segmentation != 0``, ℓ the
-  full-vocabulary BCE of `recloss.bce_loss`), from the hidden states after
+  configured recloss strategy (w = ``targets_segmentation != 0``), from the hidden states after
   MaxText's final norm and dropout, against the output table (the
   ``logits_dense`` kernel transposed, or the token embedding when
   ``logits_via_embedding``, scaled by D^-1/2 when ``normalize_embedding_logits``).
+  With a softmax strategy (``loss=cutce``, ``cutce_pallas``, ``dense_ce``) ℓ is
+  `recloss.softmax_loss` with L = 1 target per token, the next token:
+  ``logsumexp(x) − x[target] + λ·logsumexp(x)²`` with λ = MaxText's
+  ``z_loss_multiplier`` (or ``z_loss``), which is MaxText's own token
+  cross-entropy (``max_utils.cross_entropy_with_logits``, z-loss included in
+  xent as MaxText includes it), computed without [tokens, V] logits. With a
+  BCE strategy (``loss=cutbce`` ...) ℓ is the full-vocabulary BCE of
+  `recloss.bce_loss`.
 * `loss_fn`: MaxText's ``loss_fn`` signature. It runs MaxText's own
   ``loss_fn`` (so MoE, MTP and indexer auxiliary losses, gradient-accumulation
   normalisation and the aux dict stay MaxText's) with `vocab_loss` in place of
-  the vocab-tiling hook, and adds ``aux['recloss_metrics']`` (tp, fp, fn, tn,
-  num_targets, invalid_targets, weight_sum).
+  the vocab-tiling hook, and adds ``aux['recloss_metrics']`` (num_targets,
+  invalid_targets, weight_sum, and tp, fp, fn, tn for BCE or top1 — the
+  weighted count of tokens whose argmax is the target — and mean_lse for softmax).
 * `install()`: makes MaxText's trainer use `loss_fn`
   (``train.loss_fn = loss_fn``); call it before ``train.main(argv)``, or
   run ``train.main(argv)`` inside ``with installed():``.
 
 Targets: ``data['targets']`` [B, T] (one id per token, the language-model
-case) or [B, T, L] (L ids per token, multi-label); ``loss_pad_id`` marks
+case) or [B, T, L] (L ids per token, multi-label; a softmax strategy then
+averages the cross-entropies of a token's targets); ``loss_pad_id`` marks
 padding inside the L ids.
+
+MaxText's separate z-loss sum (``aux['z_loss']``, logged as learning/z_loss)
+stays 0: the softmax strategies add λ·Z² into ``xent_sum`` but do not return
+it apart; ``recloss_metrics['mean_lse']`` is the mean log-partition Z to watch.
 
 Verified against MaxText 0.2.5 (``loss_fn`` and ``vocab_tiling_nnx_loss``
 signatures, the NNX decoder's ``decoder_norm``/``dropout``/``logits_dense``
@@ -86,7 +99,7 @@ def _targets_and_weights(data):
 
 
 def loss_from_hidden(hidden, table, data, config, *, mesh=None):
-    """(Σ w·ℓ, metrics) of the configured recloss strategy.
+    """(Σ w·ℓ, metrics) of the configured recloss strategy (BCE or softmax, through the strategy object).
 
     hidden [B, T, D] (already normed and scaled), table [V, D];
     ``data['targets']`` [B, T] or [B, T, L], ``data['targets_segmentation']``
@@ -102,6 +115,10 @@ def loss_from_hidden(hidden, table, data, config, *, mesh=None):
 
 def vocab_loss(model, hidden_states, data, config, is_train, *, metrics_out: Optional[Dict] = None):
     """Drop-in for MaxText's ``vocab_tiling_nnx_loss``: (Σ_tokens w·ℓ, z-loss sum = 0).
+
+    ℓ is the configured strategy's (module docstring): for a softmax strategy
+    MaxText's token cross-entropy including its z-loss term, for a BCE one the
+    full-vocabulary BCE. The separate z-loss sum MaxText only logs is 0.
 
     Applies the decoder's final norm and dropout to ``hidden_states``
     [B, T, D] (as MaxText's output head does), then the recloss loss against

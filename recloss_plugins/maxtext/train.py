@@ -1,6 +1,6 @@
 """MaxText pre-training with the recloss loss.
 
-    python -m recloss_plugins.maxtext.train path/to/base.yml loss=cutbce_pallas num_vocab_tiling=2 ...
+    python -m recloss_plugins.maxtext.train path/to/base.yml loss=cutce_pallas num_vocab_tiling=2 ...
 
 Runs ``maxtext.trainers.pre_train.train.main`` with `install` applied (its
 ``loss_fn`` is the recloss one) and with `config_class` as the config type, so

@@ -63,7 +63,7 @@ class Block(nnx.Module):
 
 
 class SASRec(nnx.Module):
-    """Causal sequential recommender producing hidden states for a full-catalogue BCE head.
+    """Causal sequential recommender producing hidden states for a full-catalogue loss head (BCE or softmax).
 
     Args:
       vocab_rows: rows of the item table (real V, or V padded for even sharding;
@@ -74,7 +74,8 @@ class SASRec(nnx.Module):
       untie_embeddings: separate output table instead of the input embedding.
       use_output_bias: a learned [V] logit bias, initialised to
         ``output_bias_init`` (e.g. the base-rate logit log(p/(1-p)), p = L/V, so
-        training starts at the loss of the base rate instead of log 2).
+        BCE training starts at the loss of the base rate instead of log 2; a
+        constant bias does not change a softmax loss).
     """
 
     def __init__(self, *, vocab_rows: int, max_seq_len: int, emb_dim: int, num_layers: int,

@@ -108,6 +108,11 @@ class Program:
                 "weights": jax.ShapeDtypeStruct((b, n), jnp.float32, sharding=sh["weights"])}
 
 
+# The loss metrics a train step hands to the host, those of the strategy's objective: BCE strategies
+# count tp/fp/fn (precision, recall), softmax ones top1 and mean_lse; both weight_sum and the target counts.
+STEP_METRICS = ("tp", "fp", "fn", "top1", "mean_lse", "weight_sum", "num_targets", "invalid_targets")
+
+
 # Keys that change nothing inside the jitted programs (run bookkeeping and data
 # loading; the vocabulary arrives as an argument).
 _NON_PROGRAM_KEYS = frozenset({
@@ -198,8 +203,7 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None) -> Program:
                      "step": state["step"] + 1, "rng": state["rng"]}
         metrics = {"loss": loss, "grad_norm": gnorm, "finite": finite,
                    "learning_rate": schedule(state["step"]),
-                   **{k: mets[k] for k in ("tp", "fp", "fn", "weight_sum", "num_targets", "invalid_targets")
-                      if k in mets}}
+                   **{k: mets[k] for k in STEP_METRICS if k in mets}}
         return new_state, metrics
 
     k = cfg.eval_top_k

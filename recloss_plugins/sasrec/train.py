@@ -3,8 +3,10 @@
     recloss-train configs/base.yml loss=cutbce_pallas steps=100 run_name=demo
 
 Loads and validates the config, builds the paper's splits (Section III-E),
-trains SASRec with `recloss.bce_loss` (the configured strategy) on a device
-mesh, logs loss / throughput / cut metrics, checkpoints with Orbax (re-running
+trains SASRec with the configured strategy (``loss:``; a BCE one computes
+`recloss.bce_loss`, a softmax one `recloss.softmax_loss`) on a device mesh,
+logs loss / throughput and the objective's metrics (BCE: precision/recall of
+the cut metrics; softmax: top-1 rate and mean log-partition), checkpoints with Orbax (re-running
 the same run_name resumes from the latest checkpoint), and ends with dev/test
 Hit@K, Recall@K, NDCG@K next to a most-popular baseline. With
 ``compile_topology`` set it compiles the train step for that TPU topology
@@ -37,6 +39,7 @@ USAGE = """usage: recloss-train [CONFIG.yml] [key=value ...]
 Trains the multi-label SASRec reference model. CONFIG defaults to configs/base.yml,
 which lists every key with a comment. Examples:
   recloss-train configs/base.yml loss=cutbce_pallas steps=100
+  recloss-train configs/base.yml loss=cutce z_loss=1e-4 steps=100
   recloss-train configs/sasrec_yambda.yml compile_topology=v6e-8 loss=dense_bce
 """
 
@@ -69,6 +72,39 @@ def _run_dir(cfg) -> Path:
                               "(every process must agree on the run directory)")
         name = time.strftime("sasrec_%Y%m%d_%H%M%S")
     return Path(cfg.base_output_directory).expanduser().resolve() / name
+
+
+# ----------------------------------------------------------------------------- logged loss metrics
+def loss_metrics(objective: str, rows) -> Dict[str, float]:
+    """The objective's metrics over a log window, from its steps' metrics (``rows``: [(step, dict of floats)]).
+
+    BCE: ``precision`` and ``recall`` at the threshold from the summed tp/fp/fn.
+    Softmax: ``top1``, the weighted share of positions whose highest-scoring item
+    is one of their targets (Σ top1 / Σ weight_sum), and ``mean_lse``, the
+    weighted mean log-partition logsumexp(logits) (what z_loss pulls towards 0).
+    A strategy of another objective gets whichever of the two its metrics allow.
+    Values are NaN when the metrics are missing or no position had a target.
+    """
+    first = rows[0][1] if rows else {}
+    nan = float("nan")
+    if objective == "softmax" or (objective != "bce" and "top1" in first):
+        ws = sum(m.get("weight_sum", 0.0) for _, m in rows)
+        if "top1" not in first or ws <= 0:
+            return {"top1": nan, "mean_lse": nan}
+        return {"top1": sum(m["top1"] for _, m in rows) / ws,
+                "mean_lse": sum(m["mean_lse"] * m["weight_sum"] for _, m in rows) / ws}
+    if objective == "bce" or "tp" in first:
+        if "tp" not in first:
+            return {"precision": nan, "recall": nan}
+        agg = {k: sum(m[k] for _, m in rows) for k in ("tp", "fp", "fn")}
+        prec, rec = metrics_lib.precision_recall(agg)
+        return {"precision": float(prec), "recall": float(rec)}
+    return {}
+
+
+def _fmt_loss_metrics(values: Dict[str, float]) -> str:
+    digits = {"precision": ".3f", "recall": ".3f", "top1": ".3f", "mean_lse": ".4g"}
+    return " ".join(f"{k} {v:{digits.get(k, '.4g')}}" for k, v in values.items())
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -268,19 +304,18 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
         now = time.perf_counter()
         dt = max(now - window["t"], 1e-9)
         steps_n = done - window["step"]
-        agg = {k: sum(m[k] for _, m in rows) for k in ("tp", "fp", "fn", "weight_sum") if k in rows[0][1]}
         loss = float(np.mean([m["loss"] for _, m in rows]))
-        prec, rec = ((float(x) for x in metrics_lib.precision_recall(agg)) if "tp" in agg
-                     else (float("nan"), float("nan")))
+        objective_metrics = loss_metrics(program.strategy.objective, rows)
         sps = steps_n / dt
-        ips = agg.get("weight_sum", 0.0) / dt
+        ips = sum(m.get("weight_sum", 0.0) for _, m in rows) / dt
         eta = (cfg.steps - done) / sps if sps > 0 else float("inf")
         last = rows[-1][1]
         progress.clear()
-        say(f"step {done}/{cfg.steps} | loss {loss:.6g} | precision {prec:.3f} recall {rec:.3f} | "
+        shown = f" | {_fmt_loss_metrics(objective_metrics)}" if objective_metrics else ""
+        say(f"step {done}/{cfg.steps} | loss {loss:.6g}{shown} | "
             f"grad_norm {last['grad_norm']:.3g} | lr {last['learning_rate']:.3g} | {sps:.2f} steps/s | "
             f"{ips:,.0f} items/s | ETA {format_duration(eta)}")
-        writer.write(done, {"loss": loss, "precision": prec, "recall": rec, "grad_norm": last["grad_norm"],
+        writer.write(done, {"loss": loss, **objective_metrics, "grad_norm": last["grad_norm"],
                             "learning_rate": last["learning_rate"], "steps_per_sec": sps, "items_per_sec": ips})
         window.update(t=now, step=done)
 

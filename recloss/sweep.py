@@ -13,7 +13,7 @@ produce it. Modes:
 
     'loss'   bg and counts only                            2·M·V·D flops
     'fused'  bg, counts and the gradients scaled by r      6·M·V·D
-    'grad'   the gradients scaled by r only (recompute)    4·M·V·D
+    'grad'   the gradients scaled by r only (recompute)    6·M·V·D (logits again, dA, dE)
 
 A plan is a hashable (static) object with a method
 ``plan.sweep(mode, a, e, b, r, vocab_offset, fwd=None)`` (``fwd``: the 'grad'

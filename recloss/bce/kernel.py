@@ -23,7 +23,7 @@ do not fit VMEM, a `lax.scan` over row chunks accumulates dE/db in HBM (f32,
 aliased in place).
 
 Modes: 'fused' (loss + all gradients, 6·M·V·D flops), 'loss' (2·M·V·D) and
-'grad' (recompute, 4·M·V·D); `recloss.sweep` supplies the custom VJPs. The
+'grad' (recompute: logits, dA, dE, 6·M·V·D); `recloss.sweep` supplies the custom VJPs. The
 grid, the padding, the masking, the gradient accumulation and the row-chunk
 loop are `recloss.pallas.grid`'s (shared with the softmax kernel); this module
 supplies the per-tile math.
@@ -87,7 +87,7 @@ def _spec(mode: str, opts: LossOptions) -> grid.Spec:
 
     row_out = ([grid.RowOut("bg")] if loss else []) + ([grid.RowOut("cnt")] if count else [])
     return grid.Spec(f"cutbce_{mode}", grad, tuple(row_out), tile,
-                     flops={"fused": 6, "loss": 2, "grad": 4}[mode],
+                     flops={"fused": 6, "loss": 2, "grad": 6}[mode],
                      transcendentals=_transcendentals(opts, grad))
 
 

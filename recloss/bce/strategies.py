@@ -101,7 +101,7 @@ class CutBCEPallas(PallasStrategy, CutBCE):
 
     Same sparse target correction and metrics as `CutBCE`. Memory O(bn·D + bv·D)
     VMEM per core and O(V·D) HBM for dE; 6·M·V·D flops for loss+grad of a scalar
-    loss (loss-only: 2·M·V·D; reduction='none' backward recomputes with 4·M·V·D).
+    loss (loss-only: 2·M·V·D; reduction='none' backward recomputes with 6·M·V·D).
     Runs on TPU; on CPU only in Pallas interpret mode (for tests); on GPU use 'cutbce'.
 
     Args:

@@ -5,7 +5,7 @@ running argmax for the metrics: lse [M] = log Σ_v exp(x_v) over the shard's liv
 columns (−inf when it has none), 2·M·V·D flops.
 'grad' mode (the recompute of `recloss.sweep.background_rows`): with the forward's
 lse and the cotangent r, G = r·exp(x − lse)/τ per tile, then dA = G E, dE_j = Gᵀ A,
-db_j = Σ_rows G, 4·M·V·D flops. Nothing of size M·V exists at any time.
+db_j = Σ_rows G: 6·M·V·D flops (the logits again, dA, dE). Nothing of size M·V exists at any time.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ The lanes (and the two TensorCores' partials) are combined here, outside the
 kernel: m = max over lanes, s = Σ s_l·exp(m_l − m), the id of the smallest
 global id among the lanes whose max is m.
 
-'grad' (4·M·V·D, the recompute of `recloss.sweep.background_rows`): with the
+'grad' (6·M·V·D: logits, dA, dE; the recompute of `recloss.sweep.background_rows`): with the
 forward's lse and the cotangent r, G = r_i·exp(x − lse_i)/τ on live columns,
 dA = G E (resident), dE_j = Gᵀ A and db_j = Σ_rows G written once per block.
 Rows with lse = −inf (no live column) and padded rows use a stand-in lse of
@@ -136,7 +136,7 @@ def _grad_spec(opts: LossOptions) -> grid.Spec:
         x = st.x if inv_t == 1.0 else st.x * inv_t
         st.grad(jnp.exp(x - ref["lse"][rows, :]) * ref["r"][rows, :])
 
-    return grid.Spec("cutce_grad", True, (), tile, flops=4, transcendentals=1)
+    return grid.Spec("cutce_grad", True, (), tile, flops=6, transcendentals=1)
 
 
 def _grad_sweep(a, e, b, r, lse, vocab_offset, p: Plan):

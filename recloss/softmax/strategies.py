@@ -105,7 +105,7 @@ class DenseCE(SoftmaxStrategy):
 
 class CutCE(SoftmaxStrategy):
     """Pure-JAX blocked log-partition: a loss-only forward sweep (2·M·V·D flops) and a recomputing
-    backward sweep (4·M·V·D) that emits dE blocks; memory O(block_n·block_v + V·D)."""
+    backward sweep (6·M·V·D) that emits dE blocks; memory O(block_n·block_v + V·D)."""
 
     name = "cutce"
 
@@ -118,7 +118,7 @@ class CutCE(SoftmaxStrategy):
 class CutCEPallas(PallasStrategy, CutCE):
     """CutCE with the log-partition as Mosaic-TPU Pallas kernels: a loss-only forward sweep
     (2·M·V·D flops; running max, sum-exp and argmax lanes resident in VMEM) and a recomputing
-    backward sweep (4·M·V·D) that writes each dE block once. Memory O(bn·D + bv·D) VMEM per core,
+    backward sweep (6·M·V·D) that writes each dE block once. Memory O(bn·D + bv·D) VMEM per core,
     O(V·D) HBM for dE. Runs on TPU; on CPU only in Pallas interpret mode (for tests); on GPU use
     'cutce'.
 

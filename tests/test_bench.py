@@ -62,3 +62,60 @@ def test_bad_arguments_name_the_value(argv, message, capsys):
 def test_unknown_strategy_lists_the_known_ones():
     with pytest.raises(ValueError, match="cutbce"):
         cli.main(["--strategies", "cutbse"])
+
+
+SOFTMAX_SMALL = ["--objective", "softmax", "--batch", "2", "--seq", "24", "--vocab", "3001", "--dim", "20",
+                 "--repeats", "2"]
+
+
+@pytest.mark.parametrize("labels", [3, 1])
+def test_softmax_rows_agree_and_report(labels, tmp_path, capsys):
+    """dense_ce, the optax code users write and cutce compute one loss; the table and the
+    agreement line are printed; Tokamax is a row with L=1 when it imports, a printed skip otherwise."""
+    out = tmp_path / "bench.json"
+    assert cli.main(SOFTMAX_SMALL + ["--labels", str(labels), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    rows = {r["strategy"]: r for r in payload["rows"]}
+    ours = {"dense_ce", cli.OPTAX_SOFTMAX_LABEL, "cutce"}
+    assert ours <= set(rows)
+    losses = [rows[s]["loss"] for s in ours]
+    assert max(losses) - min(losses) <= 1e-5 * abs(min(losses)), losses
+    assert "loss values of the rows (dense_ce, optax.softmax_cross_entropy (dense, autodiff), cutce) agree" in text
+    assert "| cutce | 2×24 | 3,001 | 20 |" in text
+    assert rows["cutce"]["nominal_gflop"] == pytest.approx(8 / 6 * rows["dense_ce"]["nominal_gflop"])
+    assert rows["dense_ce"]["temp_vs_dense"] == 1.0 and rows["cutce"]["temp_mib"] < rows["dense_ce"]["temp_mib"]
+    assert "cutce at 8·BN·V·D" in text and payload["info"]["objective"] == "softmax"
+    peers = [r for r in payload["rows"] if r.get("peer")]
+    if labels != 1:
+        assert not peers and "skipped tokamax:" in text
+    elif peers:      # Tokamax installed: its dense 'xla' computes our loss exactly
+        xla = rows["tokamax xla"]
+        assert xla["loss"] == pytest.approx(rows["dense_ce"]["loss"], rel=1e-5)
+        assert "cutce / tokamax xla: time" in text
+    else:
+        assert "skipped tokamax: import tokamax failed" in text
+
+
+def test_softmax_peer_needs_the_softmax_objective(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--strategies", "tokamax"])
+    assert "--strategies tokamax is a softmax peer: use --objective softmax" in capsys.readouterr().err
+
+
+def test_strategy_of_another_objective_is_named(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--objective", "softmax", "--strategies", "cutbce"])
+    assert "strategy 'cutbce' computes the 'bce' objective" in capsys.readouterr().err
+
+
+def test_chunked_padding_bias_is_exp0_per_padded_column():
+    """The offset `peers.padding_bias` predicts is log(e^Z + pad) − Z, exactly."""
+    import numpy as np
+
+    from recloss.bench import peers
+
+    z = np.array([3.0, 7.5])
+    bias, pad = peers.padding_bias(z, 3001, v_block=2048)
+    assert pad == 1095
+    assert bias == pytest.approx(np.mean(np.log(np.exp(z) + pad) - z), rel=1e-6)

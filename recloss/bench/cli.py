@@ -1,5 +1,8 @@
 """recloss-bench: memory and time of each strategy, side by side, in one process.
 
+--objective bce (default) times dense_bce, the optax code users write and cutbce;
+--objective softmax times dense_ce, optax.softmax_cross_entropy, cutce and, with
+--labels 1 and Tokamax installed, Tokamax's linear_softmax_cross_entropy_loss.
 Every timed round runs all rows back to back (interleaved, in a new seeded
 order each round), so a noisy shared machine slows them alike; medians and
 ratios are what to read. The rate of a 2048³ float32 matmul, run back to back
@@ -10,21 +13,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
 import time
-from typing import Callable, List, Optional
+from typing import Optional
+
+from recloss.bench import peers
+from recloss.bench.rows import (MATMULS_ONLY, OBJECTIVES, OPTAX, OPTAX_LABEL, OPTAX_SOFTMAX_LABEL,  # noqa: F401
+                                TOKAMAX, Objective, Row, expand_peers, is_peer, rows_for)
 
 # Shapes follow the paper's mini-benchmark (D=128, L=8), scaled to a CPU.
 DEFAULT_SHAPE = dict(batch=16, seq=256, vocab=100_000, dim=128, labels=8)
 QUICK_SHAPE = dict(batch=4, seq=128, vocab=20_000, dim=64, labels=8)
-
-
-MATMULS_ONLY = "cutbce blocked matmuls only (no loss math)"
-OPTAX = "optax"   # a baseline, not a registered strategy
-OPTAX_LABEL = "optax.sigmoid_binary_cross_entropy (dense, autodiff)"
 
 
 @contextlib.contextmanager
@@ -41,70 +42,18 @@ def _identity_loss_math():
         cut.bernoulli_parts = saved
 
 
-@dataclasses.dataclass
-class Row:
-    """One benchmarked configuration: a strategy and how its loss is reduced."""
-    label: str
-    strategy: str
-    flops_per_logit_dim: int      # nominal matmul flops = this × BN·V·D
-    options: dict
-    short: str                    # its name in the per-round progress line
-    matmuls_only: bool = False    # the same blocked sweep with the loss math replaced by identity
-    fn: Optional[Callable] = None
-    temp_bytes: int = 0
-    compile_s: float = 0.0
-    times: List[float] = dataclasses.field(default_factory=list)
-    loss: Optional[float] = None
-
-
 def _log(msg: str):
     print(msg, file=sys.stderr, flush=True)
 
 
-def _rows(strategies):
-    rows = []
-    for name in strategies:
-        if name == "cutbce":
-            rows.append(Row("cutbce (fused)", name, 6, {}, "cutbce"))
-            rows.append(Row("cutbce (recompute, paper design)", name, 8, {"reduction": "none"}, "recompute"))
-            rows.append(Row(MATMULS_ONLY, name, 6, {}, "matmuls", matmuls_only=True))
-        elif name == OPTAX:
-            rows.append(Row(OPTAX_LABEL, name, 6, {}, "optax"))
-        else:
-            rows.append(Row(name, name, 6, {}, name))
-    return rows
-
-
-def _optax_loss(hidden, table, targets):
-    """What a user writes today: logits, a multi-hot matrix by scatter, optax's sigmoid BCE,
-    mean over B·N·V (= recloss's defaults: reduction='mean', vocab_reduction='mean')."""
-    import jax.numpy as jnp
-    import optax
-
-    d, v = hidden.shape[-1], table.shape[0]
-    logits = hidden.reshape(-1, d) @ table.T
-    ids = targets.reshape(logits.shape[0], -1)
-    labels = jnp.zeros(logits.shape, logits.dtype).at[jnp.arange(ids.shape[0])[:, None], ids].set(1.0)
-    return optax.sigmoid_binary_cross_entropy(logits, labels).mean()
-
-
 def _build(row: Row, inputs, block_v):
     import jax
-    import jax.numpy as jnp
-    import recloss
 
     hidden, table, targets = inputs
-    opts = dict(row.options)
-    if block_v and row.strategy != "dense_bce":
-        opts["block_v"] = block_v
-    per_position = opts.get("reduction") == "none"
+    extra = {"block_v": block_v} if block_v and row.takes_block_v else {}
 
     def loss(h, e):
-        if row.strategy == OPTAX:
-            return _optax_loss(h, e, targets)
-        out = recloss.bce_loss(h, e, targets, strategy=row.strategy, **opts)
-        # 'none' + mean: the same scalar as 'mean', but through the recompute VJP.
-        return jnp.mean(out.loss) if per_position else out.loss
+        return row.loss_of(h, e, targets, **extra)
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     t0 = time.perf_counter()
@@ -115,25 +64,37 @@ def _build(row: Row, inputs, block_v):
     row.fn = compiled
 
 
-def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed: int = 0):
+def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed: int = 0,
+            objective: str = "bce", precision: Optional[str] = None):
+    """Compiles every row of ``strategies`` (peers already expanded) and times them interleaved.
+
+    ``precision``: jax.default_matmul_precision for every row and the ceiling (None: JAX's default).
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    obj = OBJECTIVES[objective]
     b, n, v, d, l = (shape[k] for k in ("batch", "seq", "vocab", "dim", "labels"))
     rng = np.random.default_rng(seed)
     hidden = jnp.asarray(rng.normal(size=(b, n, d)).astype(np.float32))
     table = jnp.asarray((rng.normal(size=(v, d)) / np.sqrt(d)).astype(np.float32))
     targets = jnp.asarray(rng.integers(0, v, size=(b, n, l)).astype(np.int32))
+    tables = {"VD": table}
     mat = jnp.asarray(rng.normal(size=(2048, 2048)).astype(np.float32))
-    matmul = jax.jit(lambda x, y: x @ y).lower(mat, mat).compile()
+    precise = (lambda: jax.default_matmul_precision(precision)) if precision else contextlib.nullcontext
+    with precise():
+        matmul = jax.jit(lambda x, y: x @ y).lower(mat, mat).compile()
 
-    rows = _rows(strategies)
+    rows = rows_for(obj, strategies)
     for row in rows:
+        if row.table_layout not in tables:      # 'DV': laid out once, outside the timed call
+            tables[row.table_layout] = jnp.asarray(np.asarray(table).T.copy())
         _log(f"[bench] compiling {row.label} at B={b} N={n} V={v} D={d} L={l} ...")
-        _build(row, (hidden, table, targets), block_v)
+        with precise():
+            _build(row, (hidden, tables[row.table_layout], targets), block_v)
         _log(f"[bench]   compiled in {row.compile_s:.1f}s, temp {row.temp_bytes / 2**20:.1f} MiB")
-        jax.block_until_ready(row.fn(hidden, table))          # warm-up
+        jax.block_until_ready(row.fn(hidden, tables[row.table_layout]))          # warm-up
     # The ceiling is a sustained rate: each round runs the product back to back
     # for about a second (a single ~0.1 s call reads high or low by chance).
     t0 = time.perf_counter()
@@ -149,15 +110,17 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
         mm_times.append((time.perf_counter() - t0) / mm_calls)
 
     def timer(row):
+        arg = tables[row.table_layout]
+
         def run():
             t0 = time.perf_counter()
-            value, _ = jax.block_until_ready(row.fn(hidden, table))
+            value, _ = jax.block_until_ready(row.fn(hidden, arg))
             row.times.append(time.perf_counter() - t0)
             row.loss = float(value)
         return run
 
     # Each round runs the rows in a new (seeded) order: a run right after
-    # dense_bce, which frees gigabytes, is measurably slower, and a fixed order
+    # a dense row, which frees gigabytes, is measurably slower, and a fixed order
     # would always hand that to the same row.
     items = [timer(row) for row in rows] + [time_matmul]
     order_rng = np.random.default_rng(seed)
@@ -170,7 +133,7 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
             f"{r.short}={r.times[-1]:.2f}s" for r in rows) + f"  eta {eta:.0f}s")
     matmul_rate = 2 * 2048 ** 3 / float(np.median(mm_times))
     bn = b * n
-    base = next((r for r in rows if r.strategy == "dense_bce"), None)
+    base = next((r for r in rows if r.strategy == obj.dense), None)
     results = []
     for row in rows:
         med = float(np.median(row.times))
@@ -184,12 +147,42 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
             temp_vs_dense=(row.temp_bytes / base.temp_bytes) if base and base.temp_bytes else None,
             loss=None if row.matmuls_only else row.loss,
         ))
-    return results, dict(matmul_gflops_per_s=matmul_rate / 1e9, matmul_shape="2048x2048x2048 f32",
-                         devices=str(jax.devices()[0].device_kind), cpu_count=os.cpu_count(),
-                         jax_version=jax.__version__)
+        if row.peer:
+            results[-1]["peer"] = True
+    info = dict(matmul_gflops_per_s=matmul_rate / 1e9, matmul_shape="2048x2048x2048 f32",
+                devices=str(jax.devices()[0].device_kind), cpu_count=os.cpu_count(),
+                jax_version=jax.__version__)
+    if objective != "bce":
+        info.update(objective=objective, dense=obj.dense, precision=precision or "default")
+    if any(r.peer for r in rows):
+        info["tokamax_version"] = peers.version()
+    if any(r.strategy == f"{TOKAMAX}:chunked_xla" for r in rows) and v % peers.CHUNKED_V_BLOCK:
+        info["chunked_xla_padding"] = _chunked_padding(hidden, table, targets)
+    return results, info
 
 
-def format_cpu(results, info) -> str:
+def _chunked_padding(hidden, table, targets) -> dict:
+    """The loss offset chunked_xla's zero-padded vocab columns predict (`peers.padding_bias`),
+    from the exact per-row log-partition Z = ℓ + x_target (cutce, L = 1, loss only)."""
+    import jax
+    import jax.numpy as jnp
+    import recloss
+
+    @jax.jit
+    def lse(h, e, t):
+        ell = recloss.softmax_loss(h, e, t, strategy="cutce", reduction="none").loss.reshape(-1)
+        h2, t1 = h.reshape(-1, h.shape[-1]), t.reshape(-1)
+        return ell + jnp.sum(h2 * e[t1], axis=-1), jnp.mean(ell)
+
+    z, exact = lse(hidden, table, targets)
+    bias, pad = peers.padding_bias(z, table.shape[0])
+    return dict(v_block=peers.CHUNKED_V_BLOCK, pad_columns=pad, predicted_offset=bias,
+                predicted_relative=bias / float(exact))
+
+
+def format_cpu(results, info, notes=()) -> str:
+    """The CPU table and what follows from it (``notes``: rows left out, and why)."""
+    objective = OBJECTIVES[info.get("objective", "bce")]
     lines = [
         f"loss+grad, float32, median of {results[0]['repeats']} interleaved runs (shuffled each round); "
         f"matmul ceiling {info['matmul_gflops_per_s']:.1f} GFLOP/s ({info['matmul_shape']}, ~1 s back to back "
@@ -204,6 +197,8 @@ def format_cpu(results, info) -> str:
         lines.append(
             f"| {r['strategy']} | {r['batch']}×{r['seq']} | {r['vocab']:,} | {r['dim']} | {r['temp_mib']:.1f} | "
             f"{tvd} | {r['median_s']:.3f} | {svd} | {r['gflops_per_s']:.1f} | {100 * r['matmul_fraction']:.0f}% |")
+    if objective.name != "bce":
+        lines.append("")
     fused = next((r for r in results if r["strategy"] == "cutbce (fused)"), None)
     recompute = next((r for r in results if r["strategy"].startswith("cutbce (recompute")), None)
     if fused and recompute:
@@ -214,11 +209,13 @@ def format_cpu(results, info) -> str:
     if fused and optax_row:
         lines.append(f"cutbce (fused) / optax dense time: {fused['median_s'] / optax_row['median_s']:.3f}, "
                      f"temp: {fused['temp_mib'] / optax_row['temp_mib']:.4f}")
-    losses = [r["loss"] for r in results if r.get("loss") is not None]
+    losses = [r["loss"] for r in results if r.get("loss") is not None and not r.get("peer")]
     if len(losses) > 1:
         spread = (max(losses) - min(losses)) / max(abs(min(losses)), 1e-30)
         verdict = "agree" if spread <= 1e-5 else "DISAGREE (a row computes a different loss!)"
-        lines.append(f"loss values of the rows {verdict}: {min(losses):.7g} .. {max(losses):.7g} "
+        names = "" if objective.name == "bce" else " (" + ", ".join(
+            r["strategy"] for r in results if r.get("loss") is not None and not r.get("peer")) + ")"
+        lines.append(f"loss values of the rows{names} {verdict}: {min(losses):.7g} .. {max(losses):.7g} "
                      f"(relative spread {spread:.1e})")
     mm = next((r for r in results if r["strategy"] == MATMULS_ONLY), None)
     if fused and mm:
@@ -228,13 +225,44 @@ def format_cpu(results, info) -> str:
             f"fused / blocked matmuls alone: {fused['median_s'] / mm['median_s']:.3f}. The difference, "
             f"{extra:.3f} s, is the loss math: per logit exp(−|x|), log1p, exp(−x), one divide and ~8 "
             f"cheap ops, {logits / 1e6:.1f} M logits, {1e9 * extra / logits:.2f} ns per logit.")
-    lines.append("Nominal flops: 6·BN·V·D for one fused pass or dense autodiff, 8·BN·V·D for forward + "
-                 "recompute; the matmuls-only row is the same blocked sweep with the loss math replaced "
-                 "by the identity (a ceiling, not a loss).")
+    if objective.name == "softmax":
+        lines += _softmax_lines(results, info)
+    lines += list(notes)
+    lines.append(objective.flops_note)
     return "\n".join(lines)
 
 
-def format_topology(topology: str, rows) -> str:
+def _softmax_lines(results, info) -> list:
+    """The peers' losses against the dense one, and cutce against each peer and the ceiling."""
+    lines = []
+    dense = next((r for r in results if r["strategy"] == info.get("dense")), None)
+    cut = next((r for r in results if r["strategy"] == "cutce"), None)
+    pad = info.get("chunked_xla_padding")
+    for r in results:
+        if not r.get("peer"):
+            continue
+        if dense and dense.get("loss"):
+            rel = (r["loss"] - dense["loss"]) / abs(dense["loss"])
+            line = f"{r['strategy']} loss vs {dense['strategy']}: {r['loss']:.7g} ({rel:+.2e} relative)"
+            if r["strategy"] == "tokamax chunked_xla" and pad:
+                line += (f"; V = {r['vocab']:,} is not a multiple of its v_block_size {pad['v_block']}: the "
+                         f"{pad['pad_columns']} zero columns it pads the table with count exp(0) each in "
+                         f"its log-partition, which predicts {pad['predicted_relative']:+.2e} (not a "
+                         "precision effect)")
+            lines.append(line)
+        if cut:
+            lines.append(f"cutce / {r['strategy']}: time {cut['median_s'] / r['median_s']:.3f}, "
+                         f"temp {cut['temp_mib'] / max(r['temp_mib'], 1e-9):.4f}")
+    if cut:
+        lines.append(f"cutce at 8·BN·V·D: {cut['gflops_per_s']:.1f} GFLOP/s, "
+                     f"{100 * cut['matmul_fraction']:.0f}% of the same-run matmul ceiling "
+                     f"({info['matmul_gflops_per_s']:.1f} GFLOP/s)")
+    if info.get("precision", "default") != "default":
+        lines.append(f"every row and the ceiling traced under jax.default_matmul_precision({info['precision']!r})")
+    return lines
+
+
+def format_topology(topology: str, rows, objective: str = "bce", notes=()) -> str:
     """Markdown table of `topology.topology_rows` output (per-chip HBM, cost-analysis flops)."""
     gib = lambda x: f"{x / 2**30:.3f}" if isinstance(x, (int, float)) else str(x)
     lines = [
@@ -251,17 +279,31 @@ def format_topology(topology: str, rows) -> str:
         lines.append(f"| {r['strategy']} | {r['B']} | {r['N']} | {r['D']} | {r['V']:,} | {gib(r['hbm_bytes'])} | "
                      f"{gib(r['temp_bytes'])} | {ratio} | {r['compile_s']} |")
     lines.append("")
-    lines.append("flops come from compiled.cost_analysis(): Pallas kernels report their pl.CostEstimate; "
-                 "XLA counts a scan body once, so the cutbce (lax.scan) column understates its work.")
+    if objective == "bce":
+        lines.append("flops come from compiled.cost_analysis(): Pallas kernels report their pl.CostEstimate; "
+                     "XLA counts a scan body once, so the cutbce (lax.scan) column understates its work.")
+    else:
+        lines.append("flops come from compiled.cost_analysis(): Pallas kernels report their pl.CostEstimate; "
+                     "XLA counts a loop body once, so the cutce (lax.scan) and Tokamax chunked_xla (fori_loop) "
+                     "columns understate their work (both compute 8·BN·V·D).")
+        if any(is_peer(r["strategy"]) for r in rows):
+            lines.append("Tokamax rows take one label per position (labels [B·N], its API) and the table as "
+                         "[D, V]; the recloss rows L=8. The targets are B·N·L int32: a few KiB of HBM.")
+    lines += list(notes)
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="recloss-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategies", default="dense_bce,optax,cutbce",
+    parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="bce",
+                        help="bce (recloss.bce_loss) or softmax (recloss.softmax_loss)")
+    parser.add_argument("--strategies", default=None,
                         help="comma-separated strategy names (CPU timing; Pallas needs --topology); "
-                             "'optax' is the dense optax code users write today, as a baseline")
+                             "'optax' is the dense optax code users write today, as a baseline; "
+                             "'tokamax' (softmax, --labels 1) is Tokamax's linear_softmax_cross_entropy_loss, "
+                             "every implementation there is, or 'tokamax:xla', 'tokamax:chunked_xla', ... "
+                             "(default: bce dense_bce,optax,cutbce; softmax dense_ce,optax,cutce,tokamax)")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=None)
@@ -269,23 +311,38 @@ def main(argv=None):
     parser.add_argument("--labels", type=int, default=None)
     parser.add_argument("--block-v", type=int, default=None, help="vocab block size (default: chosen)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per strategy (>= 5 recommended)")
+    parser.add_argument("--precision", choices=("default", "high", "highest"), default=None,
+                        help="jax.default_matmul_precision for every row and the ceiling (Tokamax takes no "
+                             "precision argument; this is the equivalent)")
     parser.add_argument("--quick", action="store_true", help="a small shape that runs in seconds")
     parser.add_argument("--topology", default=None,
                         help="compile for a TPU topology (v5e-8, v6e-8, v5p-8) instead of timing here; "
                              "prints per-chip HBM and cost-analysis flops")
     parser.add_argument("--shapes", default="paper",
-                        help="with --topology: 'paper' (Table II + Table III shapes), 'table3', or "
+                        help="with --topology: 'paper' (Table II + Table III shapes), 'table2', 'table3', or "
                              "B,N,D,V[;B,N,D,V...]")
     parser.add_argument("--json", default=None, help="also write the results as JSON to this path")
     args = parser.parse_args(argv)
 
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    strategies = [s for s in args.strategies.split(",") if s]
+    objective = OBJECTIVES[args.objective]
+    explicit = args.strategies is not None
+    strategies = [s for s in args.strategies.split(",") if s] if explicit else list(objective.cpu_strategies)
     import recloss
     for s in strategies:
-        if s != OPTAX:
-            recloss.get_strategy(s)  # unknown names fail here, with suggestions
+        if s == OPTAX:
+            continue
+        if is_peer(s):
+            if objective.name != "softmax":
+                parser.error(f"--strategies {s} is a softmax peer: use --objective softmax")
+            continue
+        st = recloss.get_strategy(s)  # unknown names fail here, with suggestions
+        if st.objective and st.objective != objective.name:
+            mine = [n for n in recloss.available_strategies()
+                    if recloss.get_strategy(n).objective == objective.name]
+            parser.error(f"strategy {s!r} computes the {st.objective!r} objective, not --objective "
+                         f"{objective.name}; its strategies: {', '.join(mine)}")
     shape = dict(QUICK_SHAPE if args.quick else DEFAULT_SHAPE)
     for k in shape:
         if getattr(args, k) is not None:
@@ -295,11 +352,16 @@ def main(argv=None):
 
     if args.topology:
         from recloss.bench import topology
-        if args.strategies == parser.get_default("strategies"):
-            strategies = ["dense_bce", "cutbce", "cutbce_pallas"]
+        if not explicit:
+            registered = recloss.available_strategies()
+            strategies = [s for s in objective.topology_strategies if s in registered or is_peer(s)]
         elif OPTAX in strategies:
             parser.error("--strategies optax is a CPU timing baseline; --topology compiles registered "
                          f"strategies only ({', '.join(recloss.available_strategies())})")
+        strategies, notes = expand_peers(strategies, None, peers.KNOWN)
+        if objective.name == "softmax" and "cutce_pallas" not in recloss.available_strategies():
+            notes.append("cutce_pallas is not registered in this recloss (recloss.available_strategies()): "
+                         "no row")
         shapes = _topology_shapes(parser, args.shapes, topology)
         rows = []
         for i, shape in enumerate(shapes):
@@ -307,14 +369,24 @@ def main(argv=None):
             t0 = time.perf_counter()
             rows += topology.topology_rows(args.topology, strategies, [shape])
             _log(f"[bench]   done in {time.perf_counter() - t0:.0f}s")
-        print(format_topology(args.topology, rows))
-        payload = dict(topology=args.topology, rows=rows)
+        print(format_topology(args.topology, rows, objective.name, notes))
+        payload = dict(topology=args.topology, objective=objective.name, rows=rows, notes=notes)
+        if any(is_peer(s) for s in strategies):
+            payload["tokamax_version"] = peers.version()
     else:
+        strategies, notes = expand_peers(strategies, shape["labels"])
+        for note in notes:
+            _log(f"[bench] {note}")
         t0 = time.perf_counter()
-        results, info = run_cpu(shape, strategies, args.repeats, args.block_v)
-        print(format_cpu(results, info))
-        print(f"\n(total {time.perf_counter() - t0:.0f}s on {info['cpu_count']} CPU cores, jax {info['jax_version']})")
+        results, info = run_cpu(shape, strategies, args.repeats, args.block_v, objective=objective.name,
+                                precision=args.precision)
+        print(format_cpu(results, info, notes))
+        extra = f", tokamax {info['tokamax_version']}" if info.get("tokamax_version") else ""
+        print(f"\n(total {time.perf_counter() - t0:.0f}s on {info['cpu_count']} CPU cores, "
+              f"jax {info['jax_version']}{extra})")
         payload = dict(info=info, rows=results)
+        if notes:
+            payload["notes"] = notes
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=2)
@@ -325,6 +397,8 @@ def main(argv=None):
 def _topology_shapes(parser, text: str, topology):
     if text == "paper":
         return list(topology.PAPER_SHAPES)
+    if text == "table2":
+        return list(topology.TABLE_II)
     if text == "table3":
         return list(topology.TABLE_III)
     shapes = []
@@ -332,7 +406,7 @@ def _topology_shapes(parser, text: str, topology):
         try:
             b, n, d, v = (int(x) for x in part.split(","))
         except ValueError:
-            parser.error(f"--shapes entry {part!r} is not B,N,D,V (four ints), 'paper' or 'table3'")
+            parser.error(f"--shapes entry {part!r} is not B,N,D,V (four ints), 'paper', 'table2' or 'table3'")
         shapes.append(topology.Shape(b, n, d, v))
     return shapes
 

@@ -5,6 +5,11 @@ strategy's ``jit(value_and_grad(loss))`` is compiled for ONE chip of it and
 read back through ``compiled.memory_analysis()`` / ``cost_analysis()``.
 
     rows = topology_rows("v6e-8", ["dense_bce", "cutbce", "cutbce_pallas"], PAPER_SHAPES)
+    rows = topology_rows("v6e-8", ["dense_ce", "cutce", "tokamax:mosaic_tpu"], TABLE_II)
+
+A strategy compiles through its objective's entry point (`recloss.bce_loss` or
+`recloss.softmax_loss`); 'tokamax:<implementation>' compiles Tokamax's
+linear_softmax_cross_entropy_loss (`recloss.bench.peers`) on one label per position.
 """
 
 from __future__ import annotations
@@ -112,14 +117,36 @@ def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: 
     if with_bias:
         args.append(jax.ShapeDtypeStruct((shape.V,), dt, sharding=rep))
     options.setdefault("interpret", False)      # Pallas strategies: compile the kernel for the TPU
+    entry = recloss.softmax_loss if recloss.get_strategy(strategy).objective == "softmax" else recloss.bce_loss
 
     def loss(h, e, t, *maybe_bias):
         bias = maybe_bias[0] if maybe_bias else None
-        return recloss.bce_loss(h, e, t, None, bias, strategy=strategy, **options).loss
+        return entry(h, e, t, None, bias, strategy=strategy, **options).loss
 
     argnums = (0, 1, 3) if with_bias else (0, 1)
     with jax.set_mesh(mesh):
         return jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(*args).compile()
+
+
+def compile_peer_loss_grad(name: str, topology: str, shape: Shape):
+    """Tokamax's loss+grad ('tokamax:<implementation>') compiled for one chip of ``topology``:
+    hidden [B·N, D], weights [D, V] (its layout), labels [B·N] (one per position)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from recloss.bench import peers
+
+    mesh = one_chip_mesh(topology)
+    rep = NamedSharding(mesh, PartitionSpec())
+    dt = jnp.dtype(shape.dtype)
+    m = shape.B * shape.N
+    args = [jax.ShapeDtypeStruct((m, shape.D), dt, sharding=rep),
+            jax.ShapeDtypeStruct((shape.D, shape.V), dt, sharding=rep),
+            jax.ShapeDtypeStruct((m,), jnp.int32, sharding=rep)]
+    loss = peers.loss_fn(name.split(":", 1)[1])
+    with jax.set_mesh(mesh), peers.cross_compile():
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
 
 
 def is_oom(err: BaseException) -> bool:
@@ -141,7 +168,7 @@ def topology_rows(topology: str, strategies: Iterable[str] = ("dense_bce", "cutb
 
     Args:
       topology: 'v6e-8', 'v5e-8', 'v5p-8', 'v4-8' (or a libtpu name like 'v6e:2x4').
-      strategies: registered strategy names.
+      strategies: registered strategy names, or 'tokamax:<implementation>' (Tokamax's loss, L=1).
       shapes: `Shape`s (or (B, N, D, V[, L[, dtype]]) tuples); default `PAPER_SHAPES`.
     Returns:
       one dict per (shape, strategy): topology, strategy, B, N, D, V, L, dtype,
@@ -157,9 +184,14 @@ def topology_rows(topology: str, strategies: Iterable[str] = ("dense_bce", "cutb
         for strategy in strategies:
             row = dict(topology=topology, strategy=strategy, **shape._asdict(),
                        ideal_flops=6 * shape.B * shape.N * shape.V * shape.D)
+            if strategy.startswith("tokamax:"):
+                row["L"] = 1            # its API: one label per position
             start = time.perf_counter()
             try:
-                compiled = compile_loss_grad(strategy, topology, shape)
+                if strategy.startswith("tokamax:"):
+                    compiled = compile_peer_loss_grad(strategy, topology, shape)
+                else:
+                    compiled = compile_loss_grad(strategy, topology, shape)
             except Exception as err:   # a failed cell, not a failed table
                 cell = "OOM" if is_oom(err) else f"error: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 row.update(hbm_bytes=cell, temp_bytes=cell, flops=cell)

@@ -1,0 +1,185 @@
+"""What recloss-bench times, per objective: its rows, their losses and nominal flops.
+
+A `Row` is one configuration with a loss ``loss_of(hidden, table, targets) -> scalar``;
+`cli.run_cpu` compiles and times every row the same way, whatever the objective.
+An `Objective` names its entry point, its dense baseline (the 'vs dense' column),
+the optax code users write for it, and which strategies recompute the logits
+(8·BN·V·D nominal flops instead of 6).
+
+    bce       dense_bce, optax (sigmoid BCE), cutbce (+ recompute and matmuls-only rows)
+    softmax   dense_ce, optax (softmax CE), cutce, cutce_pallas (--topology), tokamax (a peer)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from recloss.bench import peers
+
+MATMULS_ONLY = "cutbce blocked matmuls only (no loss math)"
+OPTAX = "optax"   # a baseline, not a registered strategy
+OPTAX_LABEL = "optax.sigmoid_binary_cross_entropy (dense, autodiff)"
+OPTAX_SOFTMAX_LABEL = "optax.softmax_cross_entropy (dense, autodiff)"
+TOKAMAX = peers.PREFIX   # 'tokamax' (every implementation there is) or 'tokamax:<implementation>'
+
+
+@dataclasses.dataclass
+class Row:
+    """One benchmarked configuration: a strategy and how its loss is reduced."""
+    label: str
+    strategy: str
+    flops_per_logit_dim: int      # nominal matmul flops = this × BN·V·D
+    options: dict
+    short: str                    # its name in the per-round progress line
+    matmuls_only: bool = False    # the same blocked sweep with the loss math replaced by identity
+    loss_of: Optional[Callable] = None   # (hidden, table, targets) -> scalar loss; table as `table_layout`
+    table_layout: str = "VD"      # 'DV': the row takes the table as [D, V] (Tokamax's weights)
+    peer: bool = False            # another library: its loss is reported against dense, not required to agree
+    takes_block_v: bool = False   # a recloss blocked strategy (--block-v applies)
+    fn: Optional[Callable] = None
+    temp_bytes: int = 0
+    compile_s: float = 0.0
+    times: List[float] = dataclasses.field(default_factory=list)
+    loss: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    name: str
+    entry_point: str              # the name in `recloss`
+    dense: str                    # the baseline of the 'vs dense' columns
+    cpu_strategies: Tuple[str, ...]
+    topology_strategies: Tuple[str, ...]
+    recompute: Tuple[str, ...]    # strategies whose loss+grad computes the logits twice (8·BN·V·D)
+    optax_label: str
+    flops_note: str
+
+
+OBJECTIVES: Dict[str, Objective] = {
+    "bce": Objective(
+        "bce", "bce_loss", "dense_bce", ("dense_bce", OPTAX, "cutbce"),
+        ("dense_bce", "cutbce", "cutbce_pallas"), (), OPTAX_LABEL,
+        "Nominal flops: 6·BN·V·D for one fused pass or dense autodiff, 8·BN·V·D for forward + "
+        "recompute; the matmuls-only row is the same blocked sweep with the loss math replaced "
+        "by the identity (a ceiling, not a loss)."),
+    "softmax": Objective(
+        "softmax", "softmax_loss", "dense_ce", ("dense_ce", OPTAX, "cutce", TOKAMAX),
+        ("dense_ce", "cutce", "cutce_pallas", TOKAMAX), ("cutce", "cutce_pallas"), OPTAX_SOFTMAX_LABEL,
+        "Nominal flops: 6·BN·V·D for dense autodiff (dense_ce, optax), 8·BN·V·D where the logits are "
+        "computed twice, in the forward and again in the backward (cutce, cutce_pallas, and Tokamax's "
+        "xla and chunked_xla, whose custom VJPs recompute them)."),
+}
+
+
+def is_peer(name: str) -> bool:
+    return name == TOKAMAX or name.startswith(TOKAMAX + ":")
+
+
+def expand_peers(strategies: Sequence[str], labels: Optional[int], wanted=peers.CPU_IMPLEMENTATIONS):
+    """``strategies`` with 'tokamax' replaced by 'tokamax:<impl>' for each implementation there is,
+    and the notes of peers left out (why: not installed, L > 1, no such implementation)."""
+    out, notes = [], []
+    asked = [s for s in strategies if is_peer(s)]
+    if not asked:
+        return list(strategies), notes
+    why = peers.import_error()
+    if why is None and labels is not None and labels != 1:
+        why = (f"Tokamax's linear_softmax_cross_entropy_loss takes one label per position (labels [B]); "
+               f"this run has L={labels}: rerun with --labels 1")
+    have = () if why else peers.implementations(peers.KNOWN)
+    for s in strategies:
+        if not is_peer(s):
+            out.append(s)
+            continue
+        if why:
+            notes.append(f"skipped {s}: {why}")
+            continue
+        impls = [i for i in wanted if i in have] if s == TOKAMAX else [s.split(":", 1)[1]]
+        for impl in impls:
+            if impl in have:
+                out.append(f"{TOKAMAX}:{impl}")
+            else:
+                notes.append(f"skipped {TOKAMAX}:{impl}: Tokamax {peers.version()} has no {impl!r} "
+                             f"implementation (it has {', '.join(have)})")
+        if s == TOKAMAX and "chunked_xla" in wanted and "chunked_xla" not in have:
+            notes.append(f"Tokamax {peers.version()} has no chunked_xla (its blocked implementation, "
+                         "0.0.13+, Python >= 3.12): only its dense 'xla' runs here")
+    return out, notes
+
+
+def rows_for(objective: Objective, strategies: Sequence[str]) -> List[Row]:
+    """The rows of ``strategies`` (peers already expanded) for ``objective``."""
+    import jax.numpy as jnp
+    import recloss
+
+    entry = getattr(recloss, objective.entry_point)
+
+    def of(strategy, per_position=False, **opts):
+        def loss(h, e, t, **block):      # block: block_v=... from --block-v
+            out = entry(h, e, t, strategy=strategy, **opts, **block)
+            # 'none' + mean: the same scalar as 'mean', but through the recompute VJP.
+            return jnp.mean(out.loss) if per_position else out.loss
+        return loss
+
+    rows = []
+    for name in strategies:
+        if objective.name == "bce" and name == "cutbce":
+            rows.append(Row("cutbce (fused)", name, 6, {}, "cutbce", loss_of=of(name), takes_block_v=True))
+            rows.append(Row("cutbce (recompute, paper design)", name, 8, {"reduction": "none"}, "recompute",
+                            loss_of=of(name, True, reduction="none"), takes_block_v=True))
+            rows.append(Row(MATMULS_ONLY, name, 6, {}, "matmuls", matmuls_only=True, loss_of=of(name),
+                            takes_block_v=True))
+        elif name == OPTAX:
+            fn = optax_bce_loss if objective.name == "bce" else optax_softmax_loss
+            rows.append(Row(objective.optax_label, name, 6, {}, "optax", loss_of=fn))
+        elif is_peer(name):
+            impl = name.split(":", 1)[1]
+            rows.append(Row(f"tokamax {impl}", name, 8, {}, impl, loss_of=tokamax_loss(impl),
+                            table_layout="DV", peer=True))
+        else:
+            flops = 8 if name in objective.recompute else 6
+            rows.append(Row(name, name, flops, {}, name, loss_of=of(name),
+                            takes_block_v=name != objective.dense))
+    return rows
+
+
+def optax_bce_loss(hidden, table, targets):
+    """What a user writes today: logits, a multi-hot matrix by scatter, optax's sigmoid BCE,
+    mean over B·N·V (= recloss's defaults: reduction='mean', vocab_reduction='mean')."""
+    import jax.numpy as jnp
+    import optax
+
+    d, v = hidden.shape[-1], table.shape[0]
+    logits = hidden.reshape(-1, d) @ table.T
+    ids = targets.reshape(logits.shape[0], -1)
+    labels = jnp.zeros(logits.shape, logits.dtype).at[jnp.arange(ids.shape[0])[:, None], ids].set(1.0)
+    return optax.sigmoid_binary_cross_entropy(logits, labels).mean()
+
+
+def optax_softmax_loss(hidden, table, targets):
+    """What a user writes today: logits, a multi-hot target distribution (each row's unique
+    targets, normalised to sum 1), optax's softmax cross-entropy, mean over the positions with
+    a target (= recloss.softmax_loss's defaults). Ids outside [0, V) (padding) are dropped."""
+    import jax.numpy as jnp
+    import optax
+
+    d, v = hidden.shape[-1], table.shape[0]
+    logits = hidden.reshape(-1, d) @ table.T
+    ids = targets.reshape(logits.shape[0], -1)
+    ids = jnp.where((ids >= 0) & (ids < v), ids, v)          # out of bounds: dropped by the scatter
+    hot = jnp.zeros(logits.shape, logits.dtype).at[jnp.arange(ids.shape[0])[:, None], ids].set(
+        1.0, mode="drop")
+    k = jnp.sum(hot, axis=-1)
+    ce = optax.softmax_cross_entropy(logits, hot / jnp.maximum(k, 1.0)[:, None])
+    has = k > 0
+    return jnp.sum(jnp.where(has, ce, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+
+def tokamax_loss(impl: str):
+    """Tokamax's loss on [B·N] labels (L = 1) with its weights [D, V]."""
+    fn = peers.loss_fn(impl)
+
+    def loss(hidden, weights, targets):
+        return fn(hidden.reshape(-1, hidden.shape[-1]), weights, targets.reshape(-1))
+    return loss

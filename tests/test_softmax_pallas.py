@@ -19,6 +19,7 @@ import recloss
 from recloss.pallas import strategy as pallas_strategy, tiling
 from recloss.softmax import cut, kernel, partition
 from recloss.softmax.strategies import CutCEPallas
+from test_pallas import _pallas_calls   # one walker of nested jaxprs for both kernels' tests
 
 pytestmark = pytest.mark.filterwarnings("ignore:strategy 'cutce_pallas' is running")
 
@@ -223,25 +224,6 @@ def test_empty_rows_fall_back_to_cutce():
 
 
 # ----------------------------------------------------------------------------- structure
-def _pallas_calls(jaxpr):
-    """(name, cost estimate) of the pallas_calls in a jaxpr, in order, looking inside nested jaxprs."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found.append((eqn.params["name"], eqn.params["cost_estimate"]))
-            continue
-        stack = list(eqn.params.values())
-        while stack:
-            p = stack.pop(0)
-            if isinstance(p, (tuple, list)):
-                stack.extend(p)
-            elif hasattr(p, "eqns"):
-                found += _pallas_calls(p)
-            elif hasattr(getattr(p, "jaxpr", None), "eqns"):
-                found += _pallas_calls(p.jaxpr)
-    return found
-
-
 def test_loss_sweep_then_recompute_sweep(rng):
     h = jnp.asarray(rng.normal(size=(9, 16)), jnp.float32)
     e = jnp.asarray(rng.normal(size=(200, 16)), jnp.float32)

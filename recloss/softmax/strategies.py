@@ -122,13 +122,8 @@ class CutCEPallas(PallasStrategy, CutCE):
     O(V·D) HBM for dE. Runs on TPU; on CPU only in Pallas interpret mode (for tests); on GPU use
     'cutce'.
 
-    Args:
-      options: LossOptions (``block_n``/``block_v`` map to the kernel's row tile
-        and vocab block; ``interpret`` None = interpret off TPU).
-      chip: tile for this chip ('v4', 'v5e', 'v5p', 'v6e', 'v7') instead of the
-        detected one; a two-core chip also selects the split vocab grid.
-      interpret_params: a ``pltpu.InterpretParams`` used whenever the kernel
-        runs in interpret mode (e.g. ``detect_races=True``).
+    Args as `recloss.pallas.strategy.PallasStrategy`; ``block_n``/``block_v``
+    map to the kernel's row tile and vocab block.
     """
 
     name = "cutce_pallas"

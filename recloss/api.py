@@ -99,7 +99,7 @@ def _for(objective: str, name: str, options):
     """The strategy ``name`` for ``objective``'s entry point; a strategy of another objective is an error."""
     s = get_strategy(name, **options)
     if s.objective and s.objective != objective:
-        mine = [n for n in available_strategies() if get_strategy(n).objective == objective]
+        mine = list(available_strategies(objective))
         raise ValueError(f"strategy {name!r} computes the {s.objective!r} objective: call "
                          f"{s.entry_point}(..., strategy={name!r}); strategies of this entry point: {mine}")
     return s

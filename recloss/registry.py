@@ -24,9 +24,12 @@ def register_strategy(name: str, factory: Callable):
     _REGISTRY[name] = factory
 
 
-def available_strategies() -> tuple:
-    """Names of the registered strategies, sorted."""
-    return tuple(sorted(_REGISTRY))
+def available_strategies(objective: Optional[str] = None) -> tuple:
+    """Names of the registered strategies, sorted; only those of ``objective`` ('bce', 'softmax') when given."""
+    names = tuple(sorted(_REGISTRY))
+    if objective is None:
+        return names
+    return tuple(n for n in names if get_strategy(n).objective == objective)
 
 
 def strategies_on(platform: str) -> list:

@@ -266,4 +266,7 @@ def test_entry_points_refuse_the_other_objective(rng):
 
 def test_strategies_say_their_objective():
     assert {recloss.get_strategy(s).objective for s in STRATEGIES} == {"softmax"}
-    assert {"dense_ce", "cutce"} <= set(STRATEGIES)
+    assert recloss.available_strategies("softmax") == ("cutce", "cutce_pallas", "dense_ce")
+    assert recloss.available_strategies("bce") == ("cutbce", "cutbce_pallas", "dense_bce")
+    assert recloss.available_strategies("no such objective") == ()
+    assert set(recloss.available_strategies()) >= set(STRATEGIES) | set(strategies("bce"))

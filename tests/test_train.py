@@ -92,7 +92,7 @@ def test_resume_ends_with_the_same_parameters(tmp_path, loss):
 
 
 def _of(objective):
-    return [n for n in recloss.available_strategies() if recloss.get_strategy(n).objective == objective]
+    return list(recloss.available_strategies(objective))
 
 
 @pytest.mark.parametrize("objective,names", [("bce", ("dense_bce", "cutbce", "cutbce_pallas")),

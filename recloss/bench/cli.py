@@ -339,8 +339,7 @@ def main(argv=None):
             continue
         st = recloss.get_strategy(s)  # unknown names fail here, with suggestions
         if st.objective and st.objective != objective.name:
-            mine = [n for n in recloss.available_strategies()
-                    if recloss.get_strategy(n).objective == objective.name]
+            mine = recloss.available_strategies(objective.name)
             parser.error(f"strategy {s!r} computes the {st.objective!r} objective, not --objective "
                          f"{objective.name}; its strategies: {', '.join(mine)}")
     shape = dict(QUICK_SHAPE if args.quick else DEFAULT_SHAPE)

@@ -1,8 +1,9 @@
-"""The entry points (`bce_loss`, `softmax_loss`) and the explicit table of built-in strategies.
+"""The entry points (`bce_loss`, `softmax_loss`, `sampled_loss`) and the explicit table of built-in strategies.
 
     objective   strategies                              entry point
     bce         dense_bce, cutbce, cutbce_pallas        recloss.bce_loss
     softmax     dense_ce, cutce, cutce_pallas           recloss.softmax_loss
+    sampled     sampled_softmax, gbce                   recloss.sampled_loss (needs a PRNG key)
 
 The table below is the one place a built-in strategy is named; importing this
 module registers it in `recloss.registry`, where `register_strategy` adds a
@@ -15,6 +16,7 @@ from recloss import registry
 from recloss.assemble import LossOutput
 from recloss.bce.strategies import CutBCE, CutBCEPallas, DenseBCE
 from recloss.registry import available_strategies, get_strategy
+from recloss.sampled.strategies import GBCE, SampledSoftmax
 from recloss.softmax.strategies import CutCE, CutCEPallas, DenseCE
 
 BUILTIN_STRATEGIES = {
@@ -24,6 +26,8 @@ BUILTIN_STRATEGIES = {
     "dense_ce": DenseCE,
     "cutce": CutCE,
     "cutce_pallas": CutCEPallas,
+    "sampled_softmax": SampledSoftmax,
+    "gbce": GBCE,
 }
 for _name, _factory in BUILTIN_STRATEGIES.items():
     registry.register_strategy(_name, _factory)
@@ -93,6 +97,50 @@ def softmax_loss(hidden, table, targets, weights=None, bias=None, *, strategy: s
       Gradients come back in the input dtypes.
     """
     return _for("softmax", strategy, options)(hidden, table, targets, weights, bias, layout=layout)
+
+
+def sampled_loss(hidden, table, targets, weights=None, bias=None, *, key=None, strategy: str = "sampled_softmax",
+                 log_q=None, layout=None, **options) -> LossOutput:
+    """Sampled losses over K negatives drawn per call: the comparators of the exact objectives.
+
+    Logits are ``x[..., v] = (hidden[...] · table[v] + bias[v]) / τ`` for the targets and the
+    candidates only. K = ``num_negatives`` ids are drawn once per call from q (``log_q``; None =
+    uniform over the real V), i.i.d. *with replacement*, and shared by every position. Per
+    position with target set T (unique valid ids, k = |T|):
+
+      sampled_softmax: s_v = x_v − log(K·q_v) for the targets and the negatives (TensorFlow's
+        ``sampled_softmax_loss`` with ``subtract_log_q=True``); with ``in_batch_negatives`` the
+        batch's B valid targets are negatives too, corrected by −log(B·q_v);
+
+          ℓ = (1/k)·Σ_{t∈T} [ log(exp(s_t) + Σ_{n live} exp(s_n)) − s_t ]
+
+      gbce (gSASRec): ℓ = β·Σ_{t∈T} softplus(−x_t) + Σ_{n live} softplus(x_n),
+          β = α·(t·(1 − 1/α) + 1/α),  α = min(1, K/(V − 1)),  t = ``gbce_t``
+
+    "live": a negative equal to one of the position's targets is left out when
+    ``remove_accidental_hits`` (default); in-batch negatives never include the position's own
+    targets. A position with no valid target contributes 0 and leaves the mean's denominator.
+    Cost O(M·(K + L)·D) (plus M·B·D for in-batch negatives); nothing of size M·V.
+
+    Args:
+      hidden [..., D], table [V, D], targets [..., L], weights [...], bias [V]: as `softmax_loss`.
+      key: a `jax.random` key (required): the same key draws the same negatives, also under
+        jit and sharding (drawn once, outside shard_map).
+      strategy: 'sampled_softmax' or 'gbce'.
+      log_q: [V] (or [table rows]) float log proposal probabilities, normalised here; −inf = never
+        drawn; NaN/+inf are an error (checked when not traced). `log_q_from_counts` builds it.
+        No gradient flows into it.
+      layout: a `recloss.MeshLayout` to run sharded, or None.
+      **options: `LossOptions` fields: num_negatives, remove_accidental_hits, temperature,
+        reduction, pad_id, vocab_size, compute_metrics; in_batch_negatives (sampled_softmax),
+        gbce_t (gbce).
+    Returns:
+      LossOutput(loss, metrics) as `softmax_loss`; metrics: num_targets, invalid_targets,
+      weight_sum and, with compute_metrics, top1 (weighted count of positions whose best target
+      outscores every live negative, logits x before the logQ correction).
+    """
+    return _for("sampled", strategy, options)(hidden, table, targets, weights, bias, layout=layout, key=key,
+                                              log_q=log_q)
 
 
 def _for(objective: str, name: str, options):

@@ -35,12 +35,13 @@ class Reducer:
 
 
 def assemble(strategy, hidden, table, bias, targets, w, *, vocab_offset, vocab_size: int,
-             platform: str, reducer: Reducer = Reducer()) -> LossOutput:
+             platform: str, reducer: Reducer = Reducer(), extras=None) -> LossOutput:
     """Loss and metrics of one shard, reduced to global values by ``reducer``.
 
     Args: ``strategy`` (a `recloss.Strategy`), hidden [M, D], table [V_local, D],
     bias [V_local] or None, targets [M, L] global ids, w [M] f32 weights,
-    vocab_offset: global id of table row 0, vocab_size: the real V.
+    vocab_offset: global id of table row 0, vocab_size: the real V,
+    extras: the strategy's `prepare` arrays (passed to `local_loss` only when not None).
     """
     opts = strategy.options
     w = strategy.row_weights(targets, w, vocab_size=vocab_size)
@@ -49,7 +50,8 @@ def assemble(strategy, hidden, table, bias, targets, w, *, vocab_offset, vocab_s
     scalar = opts.reduction != "none"
     loss, counts = strategy.local_loss(hidden, table, bias, targets, row_scale,
                                        vocab_offset=vocab_offset, vocab_size=vocab_size, scalar=scalar,
-                                       platform=platform, reducer=reducer)
+                                       platform=platform, reducer=reducer,
+                                       **({} if extras is None else {"extras": extras}))
     if scalar:
         loss = reducer.batch(loss)
     invalid = reducer.batch(targets_lib.invalid_count(targets, opts.pad_id, vocab_size))

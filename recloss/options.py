@@ -32,6 +32,9 @@ class LossOptions:
     Softmax (`recloss.softmax_loss`): ``ℓ = Z − Σ_v q_v·x_v + λ·Z²`` with
     x = logits/τ, Z = logsumexp_v x_v and q_v = (1 − ε)·[v ∈ T]/|T| + ε/V.
 
+    Sampled (`recloss.sampled_loss`): ``sampled_softmax`` and ``gbce`` over the targets and
+    ``num_negatives`` drawn ids (see there for the formulas).
+
     Attributes:
       reduction: 'mean' (Σ w·ℓ / Σ w, 0 when Σ w = 0), 'sum' (Σ w·ℓ) or 'none'
         (w·ℓ per position, shape of ``hidden[..., 0]``).
@@ -52,7 +55,12 @@ class LossOptions:
       interpret: Pallas strategies only: run kernels in interpret mode
         (None = automatically off TPU).
       z_loss: softmax only: λ ≥ 0, adds λ·Z² per position (Z = logsumexp of the logits).
-      temperature: softmax only: τ > 0, logits are divided by it.
+      temperature: softmax and sampled: τ > 0, logits are divided by it.
+      num_negatives: sampled only: K ≥ 1 negative ids drawn per call (≤ V, checked at the call).
+      in_batch_negatives: sampled_softmax only: the other positions' targets are negatives too.
+      remove_accidental_hits: sampled only: a drawn negative equal to one of a position's
+        targets is left out of that position's loss.
+      gbce_t: gbce only: gSASRec's calibration t in [0, 1].
 
     Which options a strategy takes depends on its objective: the BCE ones
     (vocab_reduction, pos_weight, focal_*, threshold) and the softmax ones
@@ -75,6 +83,10 @@ class LossOptions:
     interpret: Optional[bool] = None
     z_loss: float = 0.0
     temperature: float = 1.0
+    num_negatives: int = 128
+    in_batch_negatives: bool = False
+    remove_accidental_hits: bool = True
+    gbce_t: float = 0.75
 
     def __post_init__(self):
         if self.reduction not in _REDUCTIONS:
@@ -82,12 +94,12 @@ class LossOptions:
         if self.vocab_reduction not in _VOCAB_REDUCTIONS:
             _fail("vocab_reduction", self.vocab_reduction, f"one of {_VOCAB_REDUCTIONS}")
         # numpy scalars (from configs, arrays) are accepted and stored as Python numbers.
-        for name in ("pad_id", "block_v", "block_n", "vocab_size"):
+        for name in ("pad_id", "block_v", "block_n", "vocab_size", "num_negatives"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
                 object.__setattr__(self, name, int(value))
         for name in ("label_smoothing", "pos_weight", "focal_gamma", "focal_alpha", "threshold", "z_loss",
-                     "temperature"):
+                     "temperature", "gbce_t"):
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(value))
@@ -101,11 +113,14 @@ class LossOptions:
         _check_real("threshold", self.threshold, lambda v: True, "a finite float")
         _check_real("z_loss", self.z_loss, lambda v: v >= 0.0, "a finite float >= 0")
         _check_real("temperature", self.temperature, lambda v: v > 0.0, "a finite float > 0")
+        _check_real("gbce_t", self.gbce_t, lambda v: 0.0 <= v <= 1.0, "a float in [0, 1]")
+        if isinstance(self.num_negatives, bool) or not isinstance(self.num_negatives, int) or self.num_negatives < 1:
+            _fail("num_negatives", self.num_negatives, "an int >= 1 (and <= the vocabulary size)")
         for name in ("block_v", "block_n", "vocab_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 _fail(name, value, "None or a positive int")
-        for name in ("compute_metrics",):
+        for name in ("compute_metrics", "in_batch_negatives", "remove_accidental_hits"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "True or False")
         if self.interpret is not None and not isinstance(self.interpret, bool):

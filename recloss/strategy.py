@@ -84,6 +84,7 @@ class Strategy:
         vocab_offset: global id of table row 0 (int or traced scalar),
         platform: where the computation will run ('cpu', 'gpu', 'tpu'),
         reducer: a `recloss.assemble.Reducer` (identity on one device).
+        A strategy whose `prepare` returns arrays also gets them as ``extras=`` (this shard's part).
         Returns: (Σ_i row_scale_i·ℓ_i if scalar else row_scale·ℓ [M], counts dict of [M] f32).
         """
         raise NotImplementedError
@@ -92,7 +93,25 @@ class Strategy:
         """Global metrics (dict of f32 scalars) from `local_loss`'s counts; w, weight_sum from `row_weights`."""
         raise NotImplementedError
 
-    def __call__(self, hidden, table, targets, weights=None, bias=None, *, layout=None) -> LossOutput:
+    def prepare(self, targets, *, rows: int, vocab_size: int, **inputs):
+        """Arrays a strategy computes once per call, outside any shard_map, from its extra call
+        inputs (a sampled strategy's ``key`` and ``log_q``): a dict handed to every shard's
+        `local_loss` as ``extras`` (laid out by `extra_specs`), or None (the default: no extra input).
+
+        Args: targets [M, L] global ids, rows: table rows, vocab_size: the real V,
+        **inputs: the keywords the strategy was called with besides ``layout``.
+        """
+        if inputs:
+            raise TypeError(f"strategy {self.name!r} ({self.objective or 'custom'} objective) takes no "
+                            f"argument(s) {sorted(inputs)}; only the sampled objective's strategies "
+                            "(recloss.sampled_loss) take key and log_q")
+        return None
+
+    def extra_specs(self, layout, extras) -> dict:
+        """PartitionSpecs of `prepare`'s arrays under ``layout`` (a dict with the same keys)."""
+        raise NotImplementedError(f"strategy {self.name!r} prepares extras but declares no extra_specs")
+
+    def __call__(self, hidden, table, targets, weights=None, bias=None, *, layout=None, **inputs) -> LossOutput:
         hidden, table, targets, weights, bias = _validate(hidden, table, targets, weights, bias)
         platform = _platform(layout)
         self.check_platform(platform)
@@ -102,11 +121,15 @@ class Strategy:
         w = (jnp.ones(h2.shape[:1], jnp.float32) if weights is None
              else weights.reshape(-1).astype(jnp.float32))
         vocab_size = _vocab_size(self.options, table.shape[0])
+        extras = self.prepare(t2, rows=table.shape[0], vocab_size=vocab_size, **inputs)
+        more = {} if extras is None else {"extras": extras}
         if layout is not None:
-            out = sharding.run(self, h2, table, bias, t2, w, layout=layout, vocab_size=vocab_size)
+            if extras is not None:
+                more["extra_specs"] = self.extra_specs(layout, extras)
+            out = sharding.run(self, h2, table, bias, t2, w, layout=layout, vocab_size=vocab_size, **more)
         else:
             out = assemble(self, h2, table, bias, t2, w, vocab_offset=0, vocab_size=vocab_size,
-                           platform=platform)
+                           platform=platform, **more)
         if self.options.reduction == "none":
             out = LossOutput(out.loss.reshape(lead), out.metrics)
         return out

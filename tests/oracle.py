@@ -1,5 +1,5 @@
-"""Float64 numpy ground truth for `recloss.bce_loss` and `recloss.softmax_loss` (`softmax_oracle`,
-at the end), written from the formulas alone.
+"""Float64 numpy ground truth for `recloss.bce_loss`, `recloss.softmax_loss` (`softmax_oracle`) and
+`recloss.sampled_loss` (`sampled_oracle`, at the end), written from the formulas alone.
 
 Nothing here imports recloss: the oracle is an independent reading of
 DESIGN.md "The math" and the `LossOptions` docstring.
@@ -294,5 +294,137 @@ def softmax_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent
     metrics = {"num_targets": float(k.sum()), "invalid_targets": float(invalid), "weight_sum": float(wsum),
                "top1": float((wp * hit).sum()),
                "mean_lse": float((wp * z).sum() / wsum) if wsum != 0 else 0.0}
+    slack = float((np.abs(wp) * near).sum())
+    return OracleResult(loss, ell.reshape(lead), grads, loss_abs, grad_scale, metrics, slack, x)
+
+
+# ======================================================================== sampled objective
+def sampled_oracle(hidden, table, targets, weights=None, bias=None, *, negatives, strategy="sampled_softmax",
+                   log_q=None, cotangent=None, reduction="mean", pad_id=-1, temperature=1.0,
+                   num_negatives=None, in_batch_negatives=False, remove_accidental_hits=True, gbce_t=0.75,
+                   vocab_size=None, **schedule) -> OracleResult:
+    """Float64 ground truth for `recloss.sampled_loss` given the drawn ``negatives`` [K] (global ids).
+
+    x_iv = (h_i·e_v + b_v)/τ; T_i, k_i as `softmax_oracle`; q = softmax(log_q) over v < V
+    (uniform when None). Candidates of row i: each negative n_j (in order, repeats kept) and,
+    with ``in_batch_negatives``, every valid target entry of every row (B entries in all);
+    a negative is dead when ``remove_accidental_hits`` and n_j ∈ T_i; an in-batch entry is
+    dead when it is in T_i.
+
+    sampled_softmax: s = x − log(K·q) for targets and negatives, x − log(B·q) for in-batch
+    entries (log q floored at log(float32 tiny));
+        ℓ_i = (1/k_i)·Σ_{t∈T_i} [log(exp s_t + Σ_{c live} exp s_c) − s_t],
+        ∂/∂s_t = (p_t − 1)/k_i, ∂/∂s_c = Σ_t p_c^{(t)}/k_i with p^{(t)} the softmax over {t} ∪ live.
+    gbce: α = min(1, K/(V − 1)), β = α(t(1 − 1/α) + 1/α);
+        ℓ_i = β·Σ_t softplus(−x_t) + Σ_{c live} softplus(x_c),  ∂/∂x_t = −β·σ(−x_t), ∂/∂x_c = σ(x_c).
+    Rows with k_i = 0 give 0 and weight 0; reductions and cotangents as `softmax_oracle`.
+    Metrics: num_targets, invalid_targets, weight_sum, top1 = Σ w'·[max_t x_t > max_{c live} x_c]
+    (``metric_slack``: weight of rows where the two are within 1e-5·max(1, |x|)).
+    """
+    unknown = set(schedule) - set(_SCHEDULE_OPTIONS)
+    if unknown:
+        raise TypeError(f"oracle got unknown options {sorted(unknown)}")
+    h = f64(hidden)
+    lead, d = h.shape[:-1], h.shape[-1]
+    h2 = h.reshape(-1, d)
+    e = f64(table)
+    m, r = h2.shape[0], e.shape[0]
+    v = r if vocab_size is None else int(vocab_size)
+    t2 = np.asarray(targets).reshape(m, -1).astype(np.int64)
+    w = np.ones(m) if weights is None else f64(weights).reshape(m)
+    tau = float(temperature)
+    neg = np.asarray(negatives).astype(np.int64).reshape(-1)
+    kneg = len(neg)
+    assert num_negatives is None or num_negatives == kneg
+    assert np.all((neg >= 0) & (neg < v))
+    if log_q is None:
+        lq = np.full(v, -np.log(v))
+    else:
+        raw_q = f64(log_q)[:v]
+        lq = raw_q - logsumexp(raw_q[None, :])[0]
+    lq_floor = np.maximum(lq, np.log(np.finfo(np.float32).tiny))
+
+    x = (h2 @ e.T + (0.0 if bias is None else f64(bias)[None, :])) / tau      # [M, R]
+    y, invalid = labels_and_invalid(t2, v, r, pad_id)
+    sets = [sorted(set(int(i) for i in row if i != pad_id and 0 <= i < v)) for row in t2]
+    batch = [i for s in sets for i in s]                                        # in-batch entries
+    nb = len(batch)
+    alpha = 1.0 if v <= 1 else min(1.0, kneg / (v - 1))
+    beta = alpha * (gbce_t * (1.0 - 1.0 / alpha) + 1.0 / alpha)
+
+    ell = np.zeros(m)
+    dx = np.zeros((m, r))                                # ∂ℓ_i/∂x_iv (x after τ)
+    hit = np.zeros(m, bool)
+    near = np.zeros(m, bool)
+    for i in range(m):
+        T = sets[i]
+        if not T:
+            continue
+        cand, corr = [], []
+        for n in neg:
+            if remove_accidental_hits and n in T:
+                continue
+            cand.append(int(n))
+            corr.append(np.log(kneg) + lq_floor[n])
+        if in_batch_negatives:
+            for c in batch:
+                if c in T:
+                    continue
+                cand.append(c)
+                corr.append(np.log(nb) + lq_floor[c])
+        cand = np.asarray(cand, np.int64)
+        corr = np.asarray(corr)
+        xc = x[i, cand]
+        if strategy == "sampled_softmax":
+            sc = xc - corr
+            for t in T:
+                st = x[i, t] - (np.log(kneg) + lq_floor[t])
+                allv = np.concatenate([[st], sc])
+                z = logsumexp(allv[None, :])[0]
+                ell[i] += (z - st) / len(T)
+                p = np.exp(allv - z)
+                dx[i, t] += (p[0] - 1.0) / len(T)
+                np.add.at(dx[i], cand, p[1:] / len(T))
+        elif strategy == "gbce":
+            xt = x[i, T]
+            ell[i] = beta * softplus(-xt).sum() + softplus(xc).sum()
+            dx[i, T] += -beta * sigmoid_pair(xt)[1]
+            np.add.at(dx[i], cand, sigmoid_pair(xc)[0])
+        else:
+            raise ValueError(f"oracle: unknown sampled strategy {strategy!r}")
+        best = x[i, T].max()
+        rival = xc.max() if len(cand) else -np.inf
+        hit[i] = best > rival
+        near[i] = np.isfinite(rival) and abs(best - rival) <= 1e-5 * max(1.0, abs(best))
+
+    has = np.array([len(s) > 0 for s in sets])
+    wp = w * has
+    wsum = wp.sum()
+    ell_abs = np.abs(ell)
+    if reduction == "mean":
+        loss = float((wp * ell).sum() / wsum) if wsum != 0 else 0.0
+        c = wp / wsum if wsum != 0 else np.zeros(m)
+        dw = np.where(has, (ell - loss) / wsum, 0.0) if wsum != 0 else np.full(m, np.nan)
+        loss_abs = float((np.abs(wp) * ell_abs).sum() / abs(wsum)) if wsum != 0 else 0.0
+    elif reduction == "sum":
+        loss = float((wp * ell).sum())
+        c, dw = wp, ell
+        loss_abs = float((np.abs(wp) * ell_abs).sum())
+    elif reduction == "none":
+        cot = np.ones(m) if cotangent is None else f64(cotangent).reshape(m)
+        loss = (wp * ell).reshape(lead)
+        c, dw = cot * wp, cot * ell
+        loss_abs = (np.abs(wp) * ell_abs).reshape(lead)
+    else:
+        raise ValueError(f"oracle: unknown reduction {reduction!r}")
+
+    g = c[:, None] * dx / tau
+    ga = np.abs(c)[:, None] * np.abs(dx) / tau
+    grads = {"hidden": (g @ e).reshape(lead + (d,)), "table": g.T @ h2,
+             "bias": None if bias is None else g.sum(axis=0), "weights": dw.reshape(lead)}
+    grad_scale = {"hidden": (ga @ np.abs(e)).reshape(lead + (d,)), "table": ga.T @ np.abs(h2),
+                  "bias": None if bias is None else ga.sum(axis=0), "weights": np.abs(dw).reshape(lead)}
+    metrics = {"num_targets": float(y[:, :v].sum()), "invalid_targets": float(invalid),
+               "weight_sum": float(wsum), "top1": float((wp * hit).sum())}
     slack = float((np.abs(wp) * near).sum())
     return OracleResult(loss, ell.reshape(lead), grads, loss_abs, grad_scale, metrics, slack, x)

@@ -1,0 +1,139 @@
+"""The sampled strategies: `sampled_softmax` (logQ-corrected sampled softmax) and `gbce` (gSASRec's gBCE).
+
+Both draw K negative ids once per call from the key (`prepare`, outside any
+shard_map, so every shard sees the same ids), share them between all
+positions (one [M, K] product) and cost O(M·(K + L)·D); nothing of size M·V.
+They differ only in the per-row math of `recloss.sampled.candidates`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from recloss import targets as targets_lib
+from recloss.sampled import candidates, sampler
+from recloss.strategy import Strategy
+
+SAMPLED_OPTIONS = ("reduction", "pad_id", "compute_metrics", "vocab_size", "temperature", "num_negatives",
+                   "remove_accidental_hits")
+
+
+class SampledStrategy(Strategy):
+    """What the sampled strategies share (see `recloss.sampled_loss`): the draw, the candidate
+    logits, accidental-hit masks, the row weights (positions with a target) and the metrics."""
+
+    objective = "sampled"
+    entry_point = "recloss.sampled_loss"
+    options_supported = SAMPLED_OPTIONS
+
+    def draw_negatives(self, key, log_q, *, vocab_size: int):
+        """The negative ids [K] int32 of one call, drawn with replacement from q = exp(log_q [V]).
+
+        The one place ids are drawn: a test may override it (e.g. to enumerate the catalogue)."""
+        k = self.options.num_negatives
+        if k > vocab_size:
+            raise ValueError(f"num_negatives={k} exceeds the vocabulary size V={vocab_size}: expected "
+                             f"1 <= num_negatives <= {vocab_size}")
+        return sampler.draw(key, log_q, k)
+
+    def prepare(self, targets, *, rows, vocab_size, key=None, log_q=None, **inputs):
+        """Draws the negatives and gathers the proposal's log q of every candidate and target."""
+        if inputs:
+            raise TypeError(f"strategy {self.name!r} got unexpected argument(s) {sorted(inputs)}; "
+                            "it takes key= and log_q=")
+        key = sampler.check_key(key)
+        lq = jax.lax.stop_gradient(sampler.proposal(log_q, rows=rows, vocab_size=vocab_size))
+        neg = self.draw_negatives(key, lq, vocab_size=vocab_size).astype(jnp.int32)
+        gids, gvalid = targets_lib.valid_targets(targets, self.options.pad_id, vocab_size)
+        at = lambda ids: jnp.take(lq, jnp.clip(ids, 0, vocab_size - 1), axis=0)
+        extras = {"neg": neg, "neg_log_q": at(neg), "target_log_q": at(gids)}
+        if self.options.in_batch_negatives:
+            cand = jnp.where(gvalid, gids, -1).reshape(-1)
+            extras.update(cand=cand, cand_log_q=at(cand), cand_count=jnp.sum(gvalid, dtype=jnp.float32))
+        return extras
+
+    def extra_specs(self, layout, extras):
+        specs = {name: P() for name in extras}
+        specs["target_log_q"] = layout.batch_spec(2)
+        return specs
+
+    def row_weights(self, targets, w, *, vocab_size):
+        _, valid = targets_lib.valid_targets(targets, self.options.pad_id, vocab_size)
+        return jnp.where(jnp.any(valid, axis=-1), w, 0.0)
+
+    def rows(self, xt, valid, xn, live_n, extras, *, vocab_size):
+        """ℓ per row [M] from the target logits xt [M, L] and candidate logits xn [M, C]."""
+        raise NotImplementedError
+
+    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar,
+                   platform, reducer, extras):
+        opts = self.options
+        inv_t = 1.0 / opts.temperature
+        gids, gvalid = targets_lib.valid_targets(targets, opts.pad_id, vocab_size)
+        k = jnp.sum(gvalid, axis=-1, dtype=jnp.float32)
+        ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, table.shape[0], vocab_size)
+        xt = reducer.vocab(jnp.where(valid, targets_lib.gather_logits(hidden, table, bias, ids), 0.0)) * inv_t
+        neg = extras["neg"]
+        xn = candidates.candidate_logits(hidden, table, bias, neg, vocab_offset, reducer) * inv_t
+        live = jnp.ones(xn.shape, bool)
+        if opts.remove_accidental_hits:
+            live = ~candidates.hits(gids, gvalid, neg)
+        if opts.in_batch_negatives:
+            cand = extras["cand"]
+            xc = candidates.candidate_logits(hidden, table, bias, cand, vocab_offset, reducer) * inv_t
+            # A position's own targets are never its in-batch negatives, whatever remove_accidental_hits says.
+            xn = jnp.concatenate([xn, xc], axis=-1)
+            live = jnp.concatenate([live, (cand >= 0)[None, :] & ~candidates.hits(gids, gvalid, cand)], axis=-1)
+        ell = jnp.where(k > 0, self.rows(xt, gvalid, xn, live, extras, vocab_size=vocab_size), 0.0)
+        loss = jnp.sum(row_scale * ell) if scalar else row_scale * ell
+        counts = {"targets": k}
+        if opts.compute_metrics:
+            counts["top1"] = candidates.top1(xt, gvalid, xn, live).astype(jnp.float32)
+        return loss, counts
+
+    def metrics(self, counts, w, *, vocab_size, invalid, weight_sum, reducer):
+        """num_targets (Σ|T|), invalid_targets, weight_sum (of positions with targets) and, with
+        compute_metrics, top1 (Σ w·[the best target outscores every live negative])."""
+        out = {"num_targets": reducer.batch(jnp.sum(counts["targets"])), "invalid_targets": invalid,
+               "weight_sum": weight_sum}
+        if "top1" in counts:
+            out["top1"] = reducer.batch(jnp.sum(w * counts["top1"]))
+        return out
+
+
+class SampledSoftmax(SampledStrategy):
+    """Sampled softmax with the logQ correction: every logit, the target's too, is corrected by
+    −log(expected count) = −log(K·q) (TensorFlow's ``sampled_softmax_loss``, ``subtract_log_q=True``);
+    in-batch negatives by −log(B·q) with B the batch's valid target count. Memory O(M·(K + B)),
+    flops 6·M·(K + B + L)·D for loss and gradient."""
+
+    name = "sampled_softmax"
+    options_supported = SAMPLED_OPTIONS + ("in_batch_negatives",)
+
+    def rows(self, xt, valid, xn, live, extras, *, vocab_size):
+        floor = lambda lq: jnp.maximum(lq, sampler.LOG_Q_FLOOR)
+        log_k = math.log(extras["neg"].shape[0])
+        st = xt - (log_k + floor(extras["target_log_q"]))
+        sc = xn[:, :extras["neg"].shape[0]] - (log_k + floor(extras["neg_log_q"]))[None, :]
+        if self.options.in_batch_negatives:
+            log_b = jnp.log(jnp.maximum(extras["cand_count"], 1.0))
+            sb = xn[:, extras["neg"].shape[0]:] - (log_b + floor(extras["cand_log_q"]))[None, :]
+            sc = jnp.concatenate([sc, sb], axis=-1)
+        return candidates.softmax_rows(st, valid, sc, live)
+
+
+class GBCE(SampledStrategy):
+    """gSASRec's gBCE: BCE over the targets and K negatives with the positive term raised to β
+    (`candidates.gbce_beta`); no logQ correction (a ``log_q`` only changes where negatives are drawn).
+    Memory O(M·K), flops 6·M·(K + L)·D for loss and gradient."""
+
+    name = "gbce"
+    options_supported = SAMPLED_OPTIONS + ("gbce_t",)
+
+    def rows(self, xt, valid, xn, live, extras, *, vocab_size):
+        beta = candidates.gbce_beta(extras["neg"].shape[0], vocab_size, self.options.gbce_t)
+        return candidates.gbce_rows(xt, valid, xn, live, beta)

@@ -21,6 +21,12 @@ reduce-scatter. So
     dA = psum_vocab(dA_local),   dE = psum_data(psum_scatter_fsdp(dE_local)),
 
 with the data-axis sum taken on the already scattered [V/(|vocab|·|fsdp|), D] slice.
+
+With ``MeshLayout(fsdp_gather='ring')`` the table is not gathered: each chip
+keeps its [V/(|vocab|·|fsdp|), D] slice and the blocked strategies walk the
+fsdp axis with `recloss.ring` (ppermute of the slices, their dE travelling
+with them), so dE comes back already summed over fsdp and in storage layout;
+only the data-axis psum of shard_map's autodiff remains.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from recloss import _compat
+from recloss import _compat, ring as ring_lib
 from recloss.assemble import LossOutput, Reducer, assemble
 
 _LANES = 128
@@ -70,6 +76,14 @@ class MeshLayout:
         inside the op, gradient reduce-scattered back), or None.
       vocab_axis: axis the vocabulary is split over (each shard computes its
         own columns), or None.
+      fsdp_gather: how a chip meets the table slices of its fsdp axis.
+        'once' (default): all-gathered once per call, gradient reduce-scattered
+        back; each chip holds the vocab shard's whole [V/|vocab|, D] and its dE.
+        'ring': the slices travel round the axis with `ppermute` and their dE
+        with them (`recloss.ring`): no all-gather or reduce-scatter, at most two
+        slices live. With no fsdp axis (None or size 1) 'ring' is allowed and
+        changes nothing. Only the blocked strategies (cutbce, cutbce_pallas,
+        cutce, cutce_pallas) take 'ring'; the dense ones need 'once'.
     A role may be None (the mesh lacks that axis) or an axis of size 1 (free).
     """
 
@@ -77,6 +91,7 @@ class MeshLayout:
     batch_axes: Tuple[str, ...] = ("data", "fsdp")
     fsdp_axis: Optional[str] = "fsdp"
     vocab_axis: Optional[str] = "vocab"
+    fsdp_gather: str = "once"
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
@@ -95,6 +110,10 @@ class MeshLayout:
                                      f"the mesh's axes are {names} (use None for a missing role)")
         if len(set(self.batch_axes)) != len(self.batch_axes):
             raise ValueError(f"MeshLayout.batch_axes={self.batch_axes} repeats an axis")
+        if not isinstance(self.fsdp_gather, str) or self.fsdp_gather not in ring_lib.GATHERS:
+            raise ValueError(f"MeshLayout.fsdp_gather={self.fsdp_gather!r} is not one of "
+                             f"{ring_lib.GATHERS} ('once': all-gather the table slices once; "
+                             f"'ring': pass them round the fsdp axis)")
         if self.fsdp_axis is not None and self.fsdp_axis not in self.batch_axes:
             raise ValueError(f"MeshLayout.fsdp_axis={self.fsdp_axis!r} must also be one of batch_axes="
                              f"{self.batch_axes}: FSDP shards split the batch and gather the table")
@@ -211,13 +230,16 @@ def _pmax_over(axes):
     return (lambda x: jax.lax.pmax(x, axes)) if axes else (lambda x: x)
 
 
-def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_size: int) -> LossOutput:
+def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_size: int,
+        extras=None, extra_specs=None) -> LossOutput:
     """The loss of ``strategy`` under ``layout`` (called by `recloss.Strategy.__call__`).
 
     Args:
       hidden [M, D], table [V, D], bias [V] or None, targets [M, L] global ids,
       w [M] float32 weights; vocab_size: the real V (≤ V; rows past it inert).
       Arrays not already laid out are placed by the specs of `default_specs`.
+      extras: a dict of the strategy's per-call arrays (`recloss.Strategy.prepare`), laid out by
+      ``extra_specs`` (a dict of PartitionSpecs) and handed to its `local_loss`; None = none.
     Returns:
       LossOutput with global values: loss scalar (or [M] rows split over the
       batch axes for reduction='none') and metrics scalars.
@@ -235,22 +257,37 @@ def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_
     sum_batch = tuple(a for a in layout.batch_axes if layout.axis_size(a) > 1)
     sum_vocab = tuple(a for a in (vocab_axis,) if layout.axis_size(a) > 1)
 
-    def local(h, e, t, w_, b=None):
-        if fsdp_axis is not None:
+    ring = None
+    if layout.fsdp_gather == "ring" and layout.fsdp_shards > 1:
+        if not getattr(strategy, "supports_ring", False):
+            raise ValueError(f"strategy {strategy.name!r} does not take MeshLayout(fsdp_gather='ring') "
+                             f"(it needs the vocab shard's whole table on each chip); use "
+                             f"fsdp_gather='once', or a blocked strategy: cutbce, cutbce_pallas, cutce, "
+                             f"cutce_pallas")
+        ring = ring_lib.Ring(fsdp_axis, layout.fsdp_shards, v_local // layout.fsdp_shards)
+
+    def local(h, e, t, w_, b=None, x=None):
+        if fsdp_axis is not None and ring is None:
             e = jax.lax.all_gather(e, fsdp_axis, axis=0, tiled=True)
             if b is not None:
                 b = jax.lax.all_gather(b, fsdp_axis, axis=0, tiled=True)
         offset = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * v_local
         reducer = Reducer(batch=_psum_over(sum_batch), vocab=_psum_over(sum_vocab),
                           vocab_max=_pmax_over(sum_vocab))
+        if ring is not None:   # e, b stay this chip's slice; the strategy walks the ring
+            reducer = ring_lib.with_ring(reducer, ring)
         return assemble(strategy, h, e, b, t, w_, vocab_offset=offset, vocab_size=vocab_size,
-                        platform=platform, reducer=reducer)
+                        platform=platform, reducer=reducer, extras=x)
 
     loss_spec = specs.row_loss if opts.reduction == "none" else specs.loss
     out_specs = LossOutput(loss_spec, specs.metrics)
     args = (hidden, table, targets, w) + (() if bias is None else (bias,))
     in_specs = (specs.hidden, specs.table, specs.targets, specs.weights) + (
         () if bias is None else (specs.bias,))
+    if extras is not None:
+        body = local
+        local = lambda h, e, t, w_, x, b=None: body(h, e, t, w_, b, x)   # noqa: E731
+        args, in_specs = args[:4] + (extras,) + args[4:], in_specs[:4] + (extra_specs,) + in_specs[4:]
     # check_vma=False: strategies keep untyped scan carries (bce/cut.py's zeros
     # init) and pallas_call out_shapes, which check_vma=True rejects. Gradients
     # stay exact: shard_map divides an output's cotangent by the size of the

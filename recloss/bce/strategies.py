@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from recloss import metrics as metrics_lib, sweep, targets as targets_lib
+from recloss import metrics as metrics_lib, ring as ring_lib, sweep, targets as targets_lib
 from recloss.bce import bernoulli, cut, dense, kernel
 from recloss.pallas.strategy import PallasStrategy
 from recloss.strategy import COMMON_OPTIONS, Strategy
@@ -63,6 +63,7 @@ class CutBCE(BCEStrategy):
     Memory O(block_n·block_v + V·D); 6·M·V·D flops for loss+grad of a scalar loss."""
 
     name = "cutbce"
+    supports_ring = True     # MeshLayout(fsdp_gather='ring'): the sweep and the gather walk the slices
 
     def plan(self, m: int, v_local: int, vocab_offset, *, vocab_size: int, platform: str):
         """(plan, offset): the static plan of the background sweep (`recloss.sweep`) for M rows and a
@@ -70,10 +71,17 @@ class CutBCE(BCEStrategy):
         static = vocab_offset if isinstance(vocab_offset, int) else None
         return cut.plan(m, v_local, self.options, vocab_size=vocab_size, static_offset=static), vocab_offset
 
-    def background(self, hidden, table, bias, row_scale, vocab_offset, *, vocab_size, scalar, platform):
-        """(Σ r·bg or bg rows [M], predicted counts [M] or None): the dense part of the loss."""
+    def background(self, hidden, table, bias, row_scale, vocab_offset, *, vocab_size, scalar, platform,
+                   ring=None):
+        """(Σ r·bg or bg rows [M], predicted counts [M] or None): the dense part of the loss.
+
+        With a `recloss.ring.Ring`, ``table``/``bias`` are this chip's slice and the sweep walks the ring."""
+        if ring is not None:   # the slices' offsets are traced: the plan masks by the real vocab_size
+            vocab_offset = jnp.asarray(vocab_offset, jnp.int32)
         p, vocab_offset = self.plan(hidden.shape[0], table.shape[0], vocab_offset, vocab_size=vocab_size,
                                     platform=platform)
+        if ring is not None:
+            p = ring_lib.Plan(p, ring, "sum")
         if scalar:
             return sweep.background_total(hidden, table, bias, row_scale, vocab_offset, p)
         return sweep.background_rows(hidden, table, bias, vocab_offset, p)
@@ -81,13 +89,17 @@ class CutBCE(BCEStrategy):
     def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar,
                    platform, reducer):
         opts = self.options
-        ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, table.shape[0],
-                                               vocab_size)
-        x = targets_lib.gather_logits(hidden, table, bias, ids)
+        ring = ring_lib.ring_of(reducer)
+        v_local = table.shape[0] if ring is None else ring.rows * ring.size
+        ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, v_local, vocab_size)
+        if ring is None:
+            x = targets_lib.gather_logits(hidden, table, bias, ids)
+        else:
+            x = ring_lib.gather_logits(hidden, table, bias, ids, valid, ring)
         corr = bernoulli.correction(x, valid, opts)
         target_logits = jax.lax.stop_gradient(x)
         bg, predicted = self.background(hidden, table, bias, row_scale, vocab_offset,
-                                        vocab_size=vocab_size, scalar=scalar, platform=platform)
+                                        vocab_size=vocab_size, scalar=scalar, platform=platform, ring=ring)
         loss = bg + jnp.sum(row_scale * corr) if scalar else row_scale * (bg + corr)
         tp, n = bernoulli.target_counts(target_logits, valid, opts.threshold)
         counts = {"targets": n}

@@ -6,8 +6,9 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
+
+from etils import epath
 
 
 def format_duration(seconds: float) -> str:
@@ -22,22 +23,36 @@ def format_duration(seconds: float) -> str:
 class MetricsWriter:
     """Writes scalars to ``run_dir/metrics.jsonl`` and, when available and enabled,
     TensorBoard event files under ``run_dir/tensorboard`` (tensorboardX, else
-    torch.utils.tensorboard). ``tensorboard_backend`` says which one (or None)."""
+    torch.utils.tensorboard). ``tensorboard_backend`` says which one (or None).
 
-    def __init__(self, run_dir: Path, enable_tensorboard: bool, active: bool = True, log=print):
+    ``run_dir`` is an etils.epath.Path, local or ``gs://``. Object storage has no append,
+    so metrics.jsonl is kept whole in memory (its earlier lines read back on resume) and
+    rewritten as one object on every flush; flushes happen at most every ``flush_secs``
+    (Cloud Storage allows about one write per second to one object) and on `close`, so a
+    killed process loses at most that many seconds of metrics. TensorBoard events are
+    flushed on the same clock (tensorboardX writes gs:// through google-cloud-storage)."""
+
+    def __init__(self, run_dir: epath.Path, enable_tensorboard: bool, active: bool = True, log=print,
+                 flush_secs: float = 5.0):
         self.active = active
         self.tensorboard_backend: Optional[str] = None
+        self.flush_secs = flush_secs
         self._tb = None
-        self._jsonl = None
+        self._lines: List[str] = []
+        self._dirty = False
+        self._last_flush = -math.inf
         if not active:
             return
+        run_dir = epath.Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = run_dir / "metrics.jsonl"
-        self._jsonl = open(self.jsonl_path, "a")
+        if self.jsonl_path.exists():   # a resumed run keeps the lines written before
+            self._lines = [l.rstrip("\n") + "\n" for l in self.jsonl_path.read_text().splitlines() if l.strip()]
         if enable_tensorboard:
             tb_dir = str(run_dir / "tensorboard")
             try:
-                from tensorboardX import SummaryWriter
+                from tensorboardX import SummaryWriter, record_writer
+                record_writer.register_writer_factory("gs", _EpathEventFileFactory())
                 self._tb, self.tensorboard_backend = SummaryWriter(tb_dir), "tensorboardX"
             except ImportError:
                 try:
@@ -51,20 +66,65 @@ class MetricsWriter:
         if not self.active:
             return
         clean = {k: float(v) for k, v in scalars.items()}
-        self._jsonl.write(json.dumps({"step": int(step), "split": prefix, **clean}) + "\n")
-        self._jsonl.flush()
+        self._lines.append(json.dumps({"step": int(step), "split": prefix, **clean}) + "\n")
         if self._tb is not None:
             for k, v in clean.items():
                 self._tb.add_scalar(f"{prefix}/{k}", v, int(step))
+        self._dirty = True
+        if time.monotonic() - self._last_flush >= self.flush_secs:
+            self.flush()
+
+    def flush(self):
+        """Rewrites metrics.jsonl whole and flushes the TensorBoard events."""
+        if not self.active or not self._dirty:
+            return
+        self.jsonl_path.write_text("".join(self._lines))
+        if self._tb is not None:
             self._tb.flush()
+        self._dirty = False
+        self._last_flush = time.monotonic()
 
     def close(self):
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+        if not self.active:
+            return
+        self.flush()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        self.active = False
+
+
+class _EpathEventFile:
+    """An event file on object storage for tensorboardX: records are buffered and the whole
+    object is rewritten through etils.epath on flush (no append there), once more on close.
+
+    Replaces tensorboardX's own gs:// writer, which goes through google-cloud-storage with a
+    second credential setup and uploads again from ``__del__`` (retrying for minutes when the
+    storage has gone away by then)."""
+
+    def __init__(self, path: str):
+        self.path = epath.Path(path)
+        self.buffer = bytearray()
+        self.written = -1
+
+    def write(self, data: bytes):
+        self.buffer += data
+
+    def flush(self):
+        if len(self.buffer) != self.written:
+            self.path.write_bytes(bytes(self.buffer))
+            self.written = len(self.buffer)
+
+    def close(self):
+        self.flush()
+
+
+class _EpathEventFileFactory:
+    def open(self, path: str) -> _EpathEventFile:
+        return _EpathEventFile(path)
+
+    def directory_check(self, path: str):
+        epath.Path(path).mkdir(parents=True, exist_ok=True)
 
 
 class Progress:

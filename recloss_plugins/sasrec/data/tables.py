@@ -1,24 +1,29 @@
 """Data files -> numpy columns: finding the files, telling their format, reading them with pyarrow.
 
-CSV and TSV files need a header row; Parquet files carry their own schema.
+CSV and TSV files need a header row; Parquet files carry their own schema. Paths are
+local or ``gs://`` (`storage.as_path`); pyarrow reads through the path's fsspec
+filesystem: its own native reader for local files, gcsfs for Cloud Storage.
 """
 
 from __future__ import annotations
 
 import difflib
-from pathlib import Path
+import os
 from typing import Dict, List, Sequence
 
+import fsspec
 import numpy as np
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
+from etils import epath
 
 from recloss_plugins.sasrec.data.errors import DataError
+from recloss_plugins.sasrec.data.storage import as_path
 
 _EXT_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".parquet": "parquet", ".pq": "parquet"}
 
 
-def format_of(path: Path, file_format: str) -> str:
+def format_of(path: epath.Path, file_format: str) -> str:
     """``file_format`` unless it is 'auto', else the format (csv, tsv, parquet) of ``path``'s extension."""
     if file_format != "auto":
         return file_format
@@ -30,11 +35,12 @@ def format_of(path: Path, file_format: str) -> str:
                     f"csv, tsv or parquet (known extensions: {sorted(_EXT_FORMATS)})")
 
 
-def data_files(path: str, file_format: str) -> List[Path]:
-    """[path] for a file; for a directory, its data files (of ``file_format``, or any known one), sorted."""
-    p = Path(path)
+def data_files(path: str, file_format: str) -> List[epath.Path]:
+    """[path] for a file; for a directory (or a gs:// prefix), its data files (of ``file_format``,
+    or any known one), sorted."""
+    p = as_path(path, "dataset_path")
     if not p.exists():
-        raise DataError(f"dataset_path {path!r} does not exist")
+        raise DataError(f"dataset_path {path!r} does not exist (no file, directory, object or prefix {str(p)!r})")
     if p.is_file():
         return [p]
     exts = ([e for e, f in _EXT_FORMATS.items() if f == file_format] if file_format != "auto"
@@ -53,15 +59,16 @@ def _missing(col: str, have: Sequence[str], path, key: str) -> DataError:
                      f"{list(have)}{hint}")
 
 
-def read_columns(path: Path, fmt: str, columns: Dict[str, str], optional: Sequence[str] = ()
+def read_columns(path: epath.Path, fmt: str, columns: Dict[str, str], optional: Sequence[str] = ()
                  ) -> Dict[str, np.ndarray]:
     """{column: numpy array} of the named (and present optional) columns of one file.
 
     ``columns`` maps config keys to column names (the keys name the setting in
     errors); ``fmt`` is csv, tsv or parquet."""
+    fs, inner = fsspec.core.url_to_fs(os.fspath(path))
     if fmt == "parquet":
         try:
-            schema = pq.read_schema(path)
+            schema = pq.read_schema(inner, filesystem=fs)
         except Exception as err:  # pyarrow raises several types for corrupt files
             raise DataError(f"{str(path)!r} is not a readable Parquet file: {err}") from err
         names = list(schema.names)
@@ -69,11 +76,12 @@ def read_columns(path: Path, fmt: str, columns: Dict[str, str], optional: Sequen
             if col not in names:
                 raise _missing(col, names, path, key)
         want = list(dict.fromkeys(list(columns.values()) + [c for c in optional if c in names]))
-        table = pq.read_table(path, columns=want)
+        table = pq.read_table(inner, columns=want, filesystem=fs)
         return _arrow_to_numpy(table, path, set(columns.values()))
     delimiter = "\t" if fmt == "tsv" else ","
     try:
-        table = pacsv.read_csv(path, parse_options=pacsv.ParseOptions(delimiter=delimiter))
+        with fs.open(inner, "rb") as f:
+            table = pacsv.read_csv(f, parse_options=pacsv.ParseOptions(delimiter=delimiter))
     except Exception as err:
         raise DataError(f"{str(path)!r} is not a readable {fmt.upper()} file: {err}") from err
     for key, col in columns.items():

@@ -119,3 +119,64 @@ def summarize(per_user: Dict[str, np.ndarray], k: int) -> Dict[str, float]:
         vals = np.asarray(per_user[name], np.float64)[valid]
         out[f"{name}@{k}"] = float(vals.mean()) if n else 0.0
     return out
+
+
+def _allgather_sum(x: np.ndarray) -> np.ndarray:
+    """Σ over processes of a small host array (itself with one process)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(np.asarray(x)[None], tiled=True)).sum(axis=0)
+
+
+def evaluate_local(program, params, split, *, max_users: int = 0,
+                   popularity_counts=None) -> Dict[str, Dict[str, float]]:
+    """Hit/Recall/NDCG@K when each process holds only its share of the users (``split``).
+
+    Every process feeds its rows of each global eval batch (`parallel.put_process_local`; the
+    batch is eval_batch_size rounded up to the batch shards, its process share padded with dummy
+    users that are dropped), for as many batches as the process with the most users needs. The
+    per-user metrics are summed on each process and the sums added across processes, so the result
+    is the mean over all users of all processes: {'model': summarize-like dict, 'popularity': ...}.
+    ``max_users`` caps each process at ceil(max_users / process_count) users (0 = all)."""
+    from recloss_plugins.sasrec import parallel
+
+    cfg, k = program.cfg, program.cfg.eval_top_k
+    P_ = jax.process_count()
+    n = split.num_users if not max_users else min(-(-max_users // P_), split.num_users)
+    shards = program.layout.batch_shards
+    bs = -(-cfg.eval_batch_size // shards) * shards
+    in_sh = jax.sharding.NamedSharding(program.mesh, program.layout.batch_spec(2))
+    len_sh = jax.sharding.NamedSharding(program.mesh, program.layout.batch_spec(1))
+    lo, hi = parallel.process_rows(in_sh, bs)
+    local = hi - lo
+    counts = np.zeros(P_, np.int64)
+    counts[jax.process_index()] = n
+    num_batches = int(-(-_allgather_sum(counts).max() // local))
+    tops = []
+    for b in range(num_batches):
+        a, z = min(b * local, n), min((b + 1) * local, n)
+        inputs = np.zeros((local, cfg.max_seq_len), np.int32)
+        lengths = np.ones(local, np.int32)
+        inputs[:z - a] = split.inputs[a:z]
+        lengths[:z - a] = split.lengths[a:z]
+        _, ids = program.eval_top_k(params, parallel.put_process_local(inputs, in_sh, bs),
+                                    parallel.put_process_local(lengths, len_sh, bs))
+        tops.append(parallel.to_host(ids)[lo:hi][:z - a])
+    top = np.concatenate(tops) if tops else np.zeros((0, k), np.int32)
+    targets = split.targets[:n]
+
+    def combined(top_ids):
+        per = ranking_metrics(top_ids, targets) if n else {m: np.zeros(0) for m in ("hit", "recall", "ndcg", "valid")}
+        valid = np.asarray(per["valid"], bool)
+        sums = np.array([valid.sum()] + [np.asarray(per[m], np.float64)[valid].sum()
+                                          for m in ("hit", "recall", "ndcg")])
+        tot = _allgather_sum(sums)
+        users = int(round(tot[0]))
+        return {"users": float(users), **{f"{m}@{k}": float(tot[i + 1] / users) if users else 0.0
+                                          for i, m in enumerate(("hit", "recall", "ndcg"))}}
+
+    out = {"model": combined(top)}
+    if popularity_counts is not None:
+        out["popularity"] = combined(np.broadcast_to(popularity_top_k(popularity_counts, k), (n, k)))
+    return out

@@ -1,0 +1,150 @@
+"""Input-pipeline benchmark: a generated interaction log -> recloss-prepare-data -> 2 training processes.
+
+    python -m recloss_plugins.sasrec.data.input_bench --events 20000000 --dir /tmp/recloss_input_bench
+
+Writes a synthetic Parquet log of ``--events`` events (power-law users and items, in row groups,
+never whole in memory) under ``--dir``, prepares it in a child process (wall time, peak RSS),
+reads the train stream of each of 2 processes alone (sequences/s of the Grain pipeline, no model),
+and trains the default model (configs/base.yml) for ``--steps`` steps as 2 processes × 4 CPU
+devices through launch/local.py (steps/s, peak RSS of each process). Prints one JSON summary.
+Not a test: it takes minutes and a few GiB of disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def write_log(path: Path, events: int, users: int, items: int, seed: int = 0, chunk: int = 2_000_000):
+    """A Parquet log (uid, item_id, timestamp) of ``events`` rows written ``chunk`` rows at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    schema = pa.schema([("uid", pa.int64()), ("item_id", pa.int64()), ("timestamp", pa.int64())])
+    with pq.ParquetWriter(path, schema) as w:
+        for lo in range(0, events, chunk):
+            n = min(chunk, events - lo)
+            u = (rng.pareto(1.2, n) * users / 8).astype(np.int64) % users
+            i = (rng.pareto(1.0, n) * items / 16).astype(np.int64) % items
+            w.write_table(pa.table({"uid": u * 31 + 7, "item_id": i * 17 + 3,
+                                    "timestamp": lo + np.arange(n, dtype=np.int64)}, schema=schema),
+                          row_group_size=500_000)
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM; ru_maxrss would carry the parent's peak over exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _read_mode(args):
+    """Child: iterate one process's train stream; print sequences/s and peak RSS."""
+    from recloss_plugins.sasrec.data.pipeline import GrainData
+
+    d = GrainData(args.prepared, max_seq_len=args.max_seq_len, num_labels=args.num_labels,
+                  process_index=args.process_index, process_count=2)
+    it = d.train_iterator(args.batch, seed=0, read_threads=args.threads, prefetch=8)
+    next(it)
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < args.seconds:
+        n += next(it)["inputs"].shape[0]
+    dt = time.perf_counter() - t0
+    print(json.dumps({"process": args.process_index, "sequences_per_s": n / dt, "peak_rss_mib": _peak_rss_mib()}))
+
+
+def _train_mode(args, rest):
+    """Child (one of 2 launch/local.py processes): train ``args.steps`` steps, no final eval."""
+    import jax
+
+    from recloss_plugins.config import load_config
+    from recloss_plugins.sasrec import distributed, train
+
+    distributed.initialize_from_env()
+    lines = []
+    res = train.train(load_config(rest), stop_after=args.steps, log=lambda *a: lines.append(" ".join(map(str, a))))
+    print(json.dumps({"process": jax.process_index(), "peak_rss_mib": _peak_rss_mib(), "steps": res.steps_done,
+                      "log": lines[-3:]}), flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--events", type=int, default=20_000_000)
+    p.add_argument("--users", type=int, default=200_000)
+    p.add_argument("--items", type=int, default=100_000)
+    p.add_argument("--dir", default="/tmp/recloss_input_bench")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--mode", default="all", choices=("all", "read", "train"))
+    p.add_argument("--prepared", default="")
+    p.add_argument("--process-index", type=int, default=0)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=32)
+    p.add_argument("--num-labels", type=int, default=8)
+    args, rest = p.parse_known_args(argv)
+    if args.mode == "read":
+        return _read_mode(args)
+    if args.mode == "train":
+        return _train_mode(args, rest)
+
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "log.parquet"
+    out = {"events": args.events}
+    if not log.exists():
+        t0 = time.perf_counter()
+        write_log(log, args.events, args.users, args.items)
+        out["generate_s"] = time.perf_counter() - t0
+    out["log_mib"] = log.stat().st_size / 2**20
+    prepared = root / "prepared"
+    cfg = [str(REPO / "configs" / "base.yml"), "dataset_type=interactions", f"dataset_path={log}",
+           f"prepared_data_path={prepared}", "min_user_interactions=31", "prepare_num_shards=16"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", "import sys, json; "
+                        "from recloss_plugins.sasrec.data.prepare import main; "
+                        "from recloss_plugins.sasrec.data.input_bench import _peak_rss_mib; rc = main(sys.argv[1:]); "
+                        "print(json.dumps({'peak_rss_mib': _peak_rss_mib()})); sys.exit(rc)", *cfg],
+                       capture_output=True, text=True, env=env, cwd=REPO)
+    if r.returncode:
+        raise SystemExit(r.stdout + r.stderr)
+    out["prepare_s"] = time.perf_counter() - t0
+    out["prepare_peak_rss_mib"] = json.loads(r.stdout.strip().splitlines()[-1])["peak_rss_mib"]
+    out["prepare_summary"] = [line for line in r.stdout.splitlines() if line.startswith("prepared ")][-1]
+    me = [sys.executable, "-m", "recloss_plugins.sasrec.data.input_bench"]
+    out["read"] = []
+    for pi in range(2):
+        r = subprocess.run(me + ["--mode", "read", "--prepared", str(prepared), "--process-index", str(pi),
+                                 "--seconds", str(args.seconds), "--threads", str(args.threads)],
+                           capture_output=True, text=True, env=env, cwd=REPO)
+        if r.returncode:
+            raise SystemExit(r.stdout + r.stderr)
+        out["read"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    r = subprocess.run([sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-d", "4", "--exec", "--",
+                        *me, "--mode", "train", "--steps", str(args.steps), *cfg, "run_name=bench",
+                        f"base_output_directory={root / 'runs'}", "enable_checkpointing=false",
+                        "enable_tensorboard=false", f"log_period={max(args.steps // 3, 1)}"],
+                       capture_output=True, text=True, env=env, cwd=REPO)
+    if r.returncode:
+        raise SystemExit(r.stdout[-4000:] + r.stderr[-4000:])
+    out["train"] = [json.loads(line.split("] ", 1)[1]) for line in r.stdout.splitlines()
+                    if "] {" in line and '"peak_rss_mib"' in line]
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

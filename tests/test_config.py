@@ -181,7 +181,7 @@ def test_one_loss_mapping_serves_every_plugin():
                        "pos_weight=2", "focal_gamma=1", "focal_alpha=0.25", "loss_threshold=-0.5",
                        "loss_interpret=true", "vocab_reduction=sum"])
     values = {key: cfg[key] for key in LOSS_OPTION_KEYS if key in SCHEMA}
-    assert len(values) == 11  # every loss option of the trainer's config
+    assert len(values) == 15  # every loss option of the trainer's config (4 of them the sampled objective's)
     trainer = loss_options(cfg)
     assert resolve_config({"loss": cfg.loss, **values}) == \
         ("dense_bce", trainer.replace(pad_id=recloss.LossOptions().pad_id))
@@ -246,3 +246,27 @@ def test_main_reports_config_errors_with_exit_code_2(capsys):
     assert main([str(BASE), "loss=cutce", "pos_weight=2"]) == 2
     err = capsys.readouterr().err
     assert "config error" in err and "'pos_weight'" in err and "'cutce'" in err
+
+
+def test_sampled_options_map_and_load():
+    cfg = load_config([str(BASE), "loss=sampled_softmax", "num_negatives=256", "in_batch_negatives=true",
+                       "remove_accidental_hits=false", "temperature=0.5", "sampled_proposal=uniform"])
+    opts = loss_options(cfg, vocab_size=512)
+    assert (opts.num_negatives, opts.in_batch_negatives, opts.remove_accidental_hits, opts.temperature) == \
+        (256, True, False, 0.5)
+    assert recloss.get_strategy(cfg.loss, opts).objective == "sampled"
+    assert loss_options(load_config([str(BASE), "loss=gbce", "gbce_t=0.2"])).gbce_t == 0.2
+
+
+@pytest.mark.parametrize("args, key, fragment", [
+    (["loss=cutbce", "num_negatives=64"], "num_negatives", "strategy 'cutbce' (bce objective"),
+    (["loss=gbce", "in_batch_negatives=true"], "in_batch_negatives", "strategy 'gbce' (sampled objective"),
+    (["loss=cutce", "gbce_t=0.5"], "gbce_t", "it is an option of the sampled objective"),
+    (["loss=gbce", "gbce_t=1.5"], "gbce_t", "expected a float in [0, 1]"),
+    (["loss=sampled_softmax", "num_negatives=0"], "num_negatives", "an int >= 1"),
+    (["loss=sampled_softmax", "sampled_proposal=zipf"], "sampled_proposal", "counts"),
+])
+def test_sampled_option_errors_name_the_key(args, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config([str(BASE), *args])
+    assert repr(key) in str(info.value) and fragment in str(info.value), str(info.value)

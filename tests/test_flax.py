@@ -577,3 +577,60 @@ def test_config_errors():
         make_loss_fn({"loss_treshold": 0.1, "steps": 10}, strict=False)
     # Default strategy when 'loss' is absent.
     assert make_loss_fn({}).strategy.name == "cutbce"
+
+
+# ------------------------------------------------------------------ sampled strategies
+def _sampled_direct(targets, weights, key, log_q, opts):
+    def direct(table, bias, hidden):
+        out = recloss.sampled_loss(hidden, table, targets, weights, bias, key=key, log_q=log_q, **opts)
+        return out.loss, out.metrics
+    return jax.jit(jax.value_and_grad(direct, argnums=(0, 1, 2), has_aux=True))
+
+
+def test_heads_and_make_loss_fn_with_a_sampled_strategy_equal_sampled_loss(rng):
+    """The NNX head, the linen head and make_loss_fn pass key= and log_q= through: same loss, metrics and
+    gradients as recloss.sampled_loss with that key; a missing key is the library's named error."""
+    hidden, targets, weights = _inputs(rng, v=128)
+    key = jax.random.key(int(rng.integers(1 << 20)))
+    log_q = jnp.asarray(rng.normal(size=128), jnp.float32)
+    opts = dict(strategy="sampled_softmax", num_negatives=24, in_batch_negatives=True)
+    head = MultiLabelHead(128, 8, strategy="sampled_softmax", use_bias=True, rngs=nnx.Rngs(0),
+                          num_negatives=24, in_batch_negatives=True)
+    head.bias[...] = jnp.asarray(rng.standard_normal(128), jnp.float32)
+
+    def via_head(head, hidden):
+        out = head(hidden, targets, weights, key=key, log_q=log_q)
+        return out.loss, out.metrics
+
+    (loss, metrics), (g_head, g_hidden) = nnx.jit(nnx.value_and_grad(via_head, argnums=(0, 1), has_aux=True))(
+        head, hidden)
+    (want_loss, want_metrics), want = _sampled_direct(targets, weights, key, log_q, opts)(
+        head.table[...], head.bias[...], hidden)
+    np.testing.assert_allclose(loss, want_loss, **TIGHT)
+    assert {"top1", "weight_sum", "num_targets"} <= set(metrics)
+    _assert_tree_close(metrics, want_metrics, **TIGHT)
+    _assert_tree_close((g_head.table[...], g_head.bias[...], g_hidden), want, **TIGHT)
+    assert float(jnp.abs(want[0]).sum()) > 0
+    with pytest.raises(ValueError, match="needs key="):
+        head(hidden, targets, weights)
+
+    lhead = LinenMultiLabelHead(num_items=128, features=8, strategy="gbce", options=dict(num_negatives=16),
+                                use_bias=True)
+    params = lhead.init(jax.random.key(1), hidden, targets, key=key)["params"]
+    got = lhead.apply({"params": params}, hidden, targets, weights, key=key)
+    ref = recloss.sampled_loss(hidden, params["table"], targets, weights, params["bias"], key=key,
+                               strategy="gbce", num_negatives=16)
+    np.testing.assert_allclose(got.loss, ref.loss, **TIGHT)
+
+    fn = make_loss_fn({"loss": "gbce", "num_negatives": 16, "gbce_t": 0.5})
+    assert fn.strategy.objective == "sampled" and fn.options.gbce_t == 0.5
+    table = jnp.asarray(rng.standard_normal((128, 8)), jnp.float32)
+    (l1, _), g1 = jax.jit(jax.value_and_grad(lambda h, e: fn(h, e, targets, weights, key=key), argnums=(0, 1),
+                                             has_aux=True))(hidden, table)
+    want = jax.value_and_grad(lambda h, e: recloss.sampled_loss(h, e, targets, weights, key=key, strategy="gbce",
+                                                                num_negatives=16, gbce_t=0.5).loss,
+                              argnums=(0, 1))(hidden, table)
+    np.testing.assert_allclose(l1, want[0], **TIGHT)
+    _assert_tree_close(g1, want[1], rtol=1e-5, atol=1e-7)
+    with pytest.raises(TypeError, match=r"takes no argument\(s\) \['key'\]"):
+        make_loss_fn({"loss": "cutbce"})(hidden, table, targets, weights, key=key)

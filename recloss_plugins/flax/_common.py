@@ -72,6 +72,12 @@ def build_strategy(strategy: Any, options: Any, option_kwargs: Mapping[str, Any]
     return recloss.get_strategy(strategy, options, **kwargs)
 
 
+def sampled_inputs(key, log_q) -> dict:
+    """The extra call arguments of a sampled strategy (`recloss.sampled_loss`'s ``key`` and ``log_q``),
+    those given only: other strategies then refuse them by name, a sampled one names a missing key."""
+    return {name: v for name, v in (("key", key), ("log_q", log_q)) if v is not None}
+
+
 def unwrap(x):
     """The array inside an nnx.Variable / linen boxed param (``.unbox()``), else ``x``."""
     get_value = getattr(x, "get_value", None)

@@ -85,15 +85,17 @@ class MultiLabelHead(nn.Module):
     def _bias(self):
         return self.bias if self.use_bias else None
 
-    def __call__(self, hidden, targets, weights=None, table=None) -> recloss.LossOutput:
-        """Loss and metrics: hidden [..., D], targets [..., L] int ids, weights [...] or None.
+    def __call__(self, hidden, targets, weights=None, table=None, *, key=None, log_q=None) -> recloss.LossOutput:
+        """Loss and metrics: hidden [..., D], targets [..., L] int ids, weights [...] or None;
+        key, log_q: a sampled strategy's (`recloss.sampled_loss`; the key is required there).
 
         Returns `recloss.LossOutput` (loss float32 scalar for reduction
         'mean'/'sum', [...] for 'none'; metrics dict of scalars).
         """
         e = _common.cast(self.item_table(table), self.dtype)
         return self.loss_strategy(_common.cast(hidden, self.dtype), e, targets, weights,
-                                  _common.cast(self._bias(), self.dtype), layout=self.layout)
+                                  _common.cast(self._bias(), self.dtype), layout=self.layout,
+                                  **_common.sampled_inputs(key, log_q))
 
     def scores(self, hidden, table=None):
         """Dense logits ``hidden·Eᵀ + b`` [..., V] float32 (rows past ``vocab_size`` dropped), divided

@@ -2,6 +2,7 @@
 
     loss_fn = make_loss_fn({"loss": "cutbce", "label_smoothing": 0.1, "loss_block_v": 2048})
     loss_fn = make_loss_fn({"loss": "cutce", "z_loss": 1e-4, "temperature": 0.5})   # softmax CE
+    loss_fn = make_loss_fn({"loss": "sampled_softmax", "num_negatives": 1024})       # fn(..., key=k)
     (loss, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
         hidden, table, targets, weights)
     table_sharding = NamedSharding(mesh, loss_fn.partition_specs(layout).table)
@@ -12,7 +13,8 @@ Config keys (a dict, an ``ml_collections.ConfigDict`` or anything with
 * ``loss``: the strategy name, one of `recloss.available_strategies()`
   (default ``"cutbce"``): a BCE strategy (``dense_bce``, ``cutbce``,
   ``cutbce_pallas``) computes `recloss.bce_loss`, a softmax one (``dense_ce``,
-  ``cutce``, ``cutce_pallas``) `recloss.softmax_loss`.
+  ``cutce``, ``cutce_pallas``) `recloss.softmax_loss`, a sampled one (``sampled_softmax``,
+  ``gbce``) `recloss.sampled_loss` (then call ``fn(..., key=k, log_q=...)``).
 * every `recloss.LossOptions` field under its own name (``block_v``,
   ``threshold``, ``label_smoothing``, ...) or with a ``loss_`` prefix
   (``loss_block_v``, ``loss_threshold``, ...), as MaxText-style trainer
@@ -95,7 +97,8 @@ def resolve_config(config, *, strict: bool = True) -> Tuple[str, recloss.LossOpt
 
 
 def make_loss_fn(config, *, layout: Optional[recloss.MeshLayout] = None, strict: bool = True):
-    """``fn(hidden, table, targets, weights=None, bias=None) -> (loss, metrics)`` for ``config``.
+    """``fn(hidden, table, targets, weights=None, bias=None, *, key=None, log_q=None) -> (loss, metrics)``
+    for ``config`` (``key``/``log_q``: a sampled strategy's, see `recloss.sampled_loss`).
 
     The function is the configured strategy's entry point with its options
     (`recloss.bce_loss` for a BCE strategy, `recloss.softmax_loss` for a
@@ -120,8 +123,8 @@ def make_loss_fn(config, *, layout: Optional[recloss.MeshLayout] = None, strict:
     name, options = resolve_config(config, strict=strict)
     strategy = recloss.get_strategy(name, options)
 
-    def loss_fn(hidden, table, targets, weights=None, bias=None):
-        out = strategy(hidden, table, targets, weights, bias, layout=layout)
+    def loss_fn(hidden, table, targets, weights=None, bias=None, *, key=None, log_q=None):
+        out = strategy(hidden, table, targets, weights, bias, layout=layout, **_common.sampled_inputs(key, log_q))
         return out.loss, out.metrics
 
     def partition_specs(layout_: Optional[recloss.MeshLayout] = None) -> recloss.Specs:

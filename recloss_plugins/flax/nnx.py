@@ -79,19 +79,21 @@ class MultiLabelHead(nnx.Module):
     def _bias(self):
         return None if self.bias is None else self.bias[...]
 
-    def __call__(self, hidden, targets, weights=None, *, table=None) -> recloss.LossOutput:
+    def __call__(self, hidden, targets, weights=None, *, table=None, key=None, log_q=None) -> recloss.LossOutput:
         """Loss and metrics of the configured strategy.
 
         Args:
           hidden: [..., D] float. targets: [..., L] int item ids (``pad_id``
             pads). weights: [...] or None (= 1). table: the shared [V, D] table
-            (tied heads only).
+            (tied heads only). key, log_q: a sampled strategy's (`recloss.sampled_loss`):
+            the jax.random key of this call's negatives (required there) and the log proposal [V].
         Returns: `recloss.LossOutput` (loss float32 scalar for reduction
           'mean'/'sum', [...] for 'none'; metrics dict of scalars).
         """
         e = _common.cast(self.item_table(table), self.dtype)
         return self.strategy(_common.cast(hidden, self.dtype), e, targets, weights,
-                             _common.cast(self._bias(), self.dtype), layout=self.layout)
+                             _common.cast(self._bias(), self.dtype), layout=self.layout,
+                             **_common.sampled_inputs(key, log_q))
 
     def scores(self, hidden, *, table=None):
         """Dense logits ``hidden·Eᵀ + b`` [..., V] float32 (rows past ``vocab_size`` dropped), divided

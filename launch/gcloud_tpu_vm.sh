@@ -61,9 +61,11 @@ example (a v6e-256 pod slice, 64 workers):
   launch/gcloud_tpu_vm.sh create  --name rl-pod --zone us-east5-b --accelerator-type v6e-256 --queued
   launch/gcloud_tpu_vm.sh install --name rl-pod --zone us-east5-b
   launch/gcloud_tpu_vm.sh run     --name rl-pod --zone us-east5-b --detach -- \
-      configs/sasrec_yambda.yml base_output_directory=/mnt/gcs/runs ici_fsdp_parallelism=4
+      configs/sasrec_yambda.yml base_output_directory=gs://my-bucket/runs ici_fsdp_parallelism=4
   launch/gcloud_tpu_vm.sh logs    --name rl-pod --zone us-east5-b
   launch/gcloud_tpu_vm.sh delete  --name rl-pod --zone us-east5-b --queued
+Output and data may be gs:// URLs, read and written with the VM's service account (it needs
+read/write access to the bucket); a bucket mounted with Cloud Storage FUSE works too.
 Environment: GCLOUD names the gcloud binary (default gcloud).
 EOF
 }

@@ -46,7 +46,9 @@ options
 Everything after -- (or any argument not starting with --) goes to the training program:
   launch/xpk.sh create --cluster tpu-cluster --workload sasrec-1 --tpu-type v6e-256 \
       --docker-image gcr.io/my-project/recloss:latest --project my-project --zone us-east5-b \
-      -- configs/sasrec_yambda.yml base_output_directory=/gcs/runs steps=1000
+      -- configs/sasrec_yambda.yml base_output_directory=gs://my-bucket/runs steps=1000
+Output and data may be gs:// URLs (read and written directly, with the node pool's service
+account); a Cloud Storage FUSE mount (e.g. /gcs/runs) works too but is not needed.
 Environment: XPK and KUBECTL name the binaries (default xpk, kubectl).
 EOF
 }

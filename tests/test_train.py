@@ -1,4 +1,4 @@
-"""recloss-train end to end on tiny synthetic data: artifacts, resume equality (BCE and softmax),
+"""recloss-train end to end on tiny synthetic data: artifacts, resume equality (BCE, softmax, sampled),
 strategy equality per objective, the softmax objective's training and metrics, non-finite stop, the
 (2, 2, 2) mesh against one device, and compile_topology's quiet stderr."""
 
@@ -68,10 +68,12 @@ def test_end_to_end_writes_every_artifact(tmp_path, capsys):
 
 
 # cutbce keeps the program knobs the other tests share (one compile per session); cutce resumes the
-# softmax objective the same way.
-@pytest.mark.parametrize("loss", ["cutbce", "cutce"])
+# softmax objective the same way; sampled_softmax also redraws step 5's negatives (key from seed and step).
+@pytest.mark.parametrize("loss", ["cutbce", "cutce", "sampled_softmax"])
 def test_resume_ends_with_the_same_parameters(tmp_path, loss):
     common = ["steps=7", "checkpoint_period=2", "log_period=1", f"loss={loss}"]
+    if loss == "sampled_softmax":
+        common += ["num_negatives=64", "in_batch_negatives=true"]
     ds = D.build_dataset(_cfg(tmp_path, *common))
     full = train(_cfg(tmp_path, *common, "run_name=full"), devices=_one_device(), dataset=ds,
                  log=lambda *a: None)
@@ -150,6 +152,8 @@ def test_loss_metrics_follow_the_objective():
     assert loss_metrics("softmax", ce) == {"top1": pytest.approx(4 / 6), "mean_lse": pytest.approx(18 / 6)}
     assert set(loss_metrics("", ce)) == {"top1", "mean_lse"} and loss_metrics("", [(0, {})]) == {}
     assert all(np.isnan(v) for v in loss_metrics("softmax", [(0, {"weight_sum": 0.0})]).values())
+    sampled = [(0, {"top1": 1.0, "weight_sum": 4.0}), (1, {"top1": 3.0, "weight_sum": 2.0})]
+    assert loss_metrics("sampled", sampled) == {"top1": pytest.approx(4 / 6)}   # no log-partition to log
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):

@@ -49,7 +49,7 @@ def _unit(lo_open=False, hi_open=True):
 SCHEMA = {
     # run
     "run_name": Key(str),
-    "base_output_directory": Key(str, lambda v: v != "", "a non-empty directory path"),
+    "base_output_directory": Key(str, lambda v: v != "", "a non-empty directory path or gs://BUCKET/PREFIX URL"),
     "seed": _nonneg_int(),
     "steps": _nonneg_int(),
     "log_period": _pos_int(),
@@ -89,7 +89,8 @@ SCHEMA = {
     # loss
     # The strategy is checked against recloss.available_strategies() at load time, and the option
     # values by recloss.LossOptions; an option the strategy's objective does not take must keep its
-    # default (BCE: vocab_reduction, pos_weight, focal_*, loss_threshold; softmax: z_loss, temperature).
+    # default (BCE: vocab_reduction, pos_weight, focal_*, loss_threshold; softmax: z_loss, temperature;
+    # sampled: num_negatives, in_batch_negatives, remove_accidental_hits, gbce_t).
     "loss": Key(str),
     "loss_block_v": _nonneg_int("an int >= 0 (0 = chosen by the strategy)"),
     "loss_block_n": _nonneg_int("an int >= 0 (0 = chosen by the strategy)"),
@@ -102,6 +103,12 @@ SCHEMA = {
     "loss_threshold": Key(float),
     "z_loss": Key(float),
     "temperature": Key(float),
+    "num_negatives": _pos_int(),
+    "in_batch_negatives": Key(bool),
+    "remove_accidental_hits": Key(bool),
+    "gbce_t": Key(float),
+    "sampled_proposal": Key(str, choices=("counts", "uniform")),
+    "loss_fsdp_gather": Key(str, choices=("once", "ring")),
     # mesh
     "mesh_axes": Key(list, lambda v: sorted(v) == sorted(MESH_AXES),
                      f"a list holding each of {list(MESH_AXES)} once, in mesh order"),
@@ -125,6 +132,12 @@ SCHEMA = {
     "yambda_event_types": Key(list),
     "yambda_organic_only": Key(bool),
     "yambda_min_played_ratio_pct": Key(float, lambda v: 0 <= v <= 100, "a float in [0, 100]"),
+    "data_pipeline": Key(str, choices=("grain", "memory")),
+    "prepared_data_path": Key(str),
+    "prepare_num_shards": _pos_int(),
+    "prepare_num_buckets": _pos_int(),
+    "grain_read_threads": _pos_int(),
+    "grain_prefetch_buffer": _pos_int(),
     "synthetic_num_users": _pos_int(),
     "synthetic_num_items": Key(int, lambda v: v >= 2, "an int >= 2"),
     "synthetic_min_len": _pos_int(),

@@ -79,8 +79,10 @@ def build_mesh(cfg, devices=None, num_slices: Optional[int] = None) -> Mesh:
     return Mesh(arr, tuple(cfg.mesh_axes))
 
 
-def layout_for(mesh: Mesh) -> recloss.MeshLayout:
-    return recloss.MeshLayout(mesh, batch_axes=("data", "fsdp"), fsdp_axis="fsdp", vocab_axis="vocab")
+def layout_for(mesh: Mesh, fsdp_gather: str = "once") -> recloss.MeshLayout:
+    """The loss's layout on the trainer's mesh; ``fsdp_gather``: the config's ``loss_fsdp_gather``."""
+    return recloss.MeshLayout(mesh, batch_axes=("data", "fsdp"), fsdp_axis="fsdp", vocab_axis="vocab",
+                              fsdp_gather=fsdp_gather)
 
 
 # ----------------------------------------------------------------------------- shardings
@@ -135,6 +137,30 @@ def batch_specs(layout: recloss.MeshLayout):
 def put_global(arr: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array from a host array every process holds whole (each places its shards)."""
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+
+def process_rows(sharding: NamedSharding, global_rows: int) -> Tuple[int, int]:
+    """[lo, hi): the rows of a [global_rows, ...] batch this process's devices hold under ``sharding``.
+
+    Raises MeshError unless they are one contiguous block (what a per-process input pipeline feeds)."""
+    idx = sharding.addressable_devices_indices_map((global_rows,))
+    spans = sorted({(s[0].start or 0, global_rows if s[0].stop is None else s[0].stop) for s in idx.values()})
+    lo, hi = spans[0][0], spans[-1][1]
+    covered = sum(b - a for a, b in spans)
+    if covered != hi - lo:
+        raise MeshError(f"process {jax.process_index()} holds batch rows {spans}, not one contiguous block; "
+                        "a per-process input pipeline needs the batch axes to follow the process order")
+    return lo, hi
+
+
+def put_process_local(local: np.ndarray, sharding: NamedSharding, global_rows: int) -> jax.Array:
+    """A global [global_rows, ...] array from this process's rows only (`process_rows`), via
+    jax.make_array_from_process_local_data: no process holds another process's rows."""
+    lo, hi = process_rows(sharding, global_rows)
+    if local.shape[0] != hi - lo:
+        raise MeshError(f"process {jax.process_index()} fed {local.shape[0]} batch rows, but its devices hold "
+                        f"rows [{lo}, {hi}) of {global_rows}")
+    return jax.make_array_from_process_local_data(sharding, local, (global_rows,) + local.shape[1:])
 
 
 def to_host(x) -> np.ndarray:

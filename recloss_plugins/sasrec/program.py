@@ -8,6 +8,11 @@ State (a pytree of global arrays):
     opt_state  optax AdamW state
     step       int32 scalar: optimizer steps taken
     rng        uint32 [2] key data; step s uses dropout key fold_in(rng, s)
+
+A sampled loss (``loss: sampled_softmax | gbce``) draws step s's negatives with
+`negatives_key(seed, s)` (the run seed and the step only, so a resumed run draws
+what an uninterrupted one would) from the proposal `proposal_log_q` makes of the
+training split's item counts.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -34,6 +40,31 @@ def base_rate_logit(num_labels: int, vocab_size: int) -> float:
     """log(p / (1 - p)) for p = L / (V - 1), the chance a given item is among L targets."""
     p = min(num_labels / max(vocab_size - 1, 1), 0.5)
     return math.log(p / (1 - p))
+
+
+# Tags the negatives' key stream apart from the parameter and dropout streams of the same seed.
+_NEGATIVES_TAG = 0x73616D70
+
+
+def negatives_key(seed: int, step):
+    """The key of step ``step``'s sampled negatives: fold_in(fold_in(key(seed), tag), step)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _NEGATIVES_TAG), step)
+
+
+def proposal_log_q(cfg, vocab_size: int, item_counts=None):
+    """[V] float32 log proposal of a sampled loss: ``sampled_proposal: counts`` (and counts given) is
+    `recloss.log_q_from_counts` of the training split's counts; otherwise uniform over the items.
+    The padding id 0 is never drawn either way."""
+    if cfg.sampled_proposal == "counts" and item_counts is not None:
+        c = np.zeros(vocab_size, np.float64)
+        n = min(vocab_size, len(item_counts))
+        c[:n] = np.asarray(item_counts, np.float64)[:n]
+        c[0] = 0.0
+        if c.sum() > 0:
+            return np.asarray(recloss.log_q_from_counts(c))
+    lq = np.zeros(vocab_size, np.float32)
+    lq[0] = -np.inf
+    return lq - np.log(max(vocab_size - 1, 1))
 
 
 def make_model(cfg, rows: int, rngs: nnx.Rngs, vocab_size: Optional[int] = None) -> SASRec:
@@ -125,16 +156,20 @@ _PROGRAMS: "collections.OrderedDict" = collections.OrderedDict()
 _MAX_PROGRAMS = 4
 
 
-def program_for(cfg, mesh, vocab_size: int, *, batch_size=None) -> Program:
+def program_for(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=None) -> Program:
     """`build_program`, memoised on everything that shapes the programs, so runs in one
-    process with the same model (a resume, a sweep over run names) compile once."""
+    process with the same model (a resume, a sweep over run names) compile once.
+    ``item_counts`` [V]: the training split's item counts (used by sampled losses only)."""
+    if recloss.get_strategy(cfg.loss).objective != "sampled":
+        item_counts = None
+    counts_key = None if item_counts is None else hash(np.asarray(item_counts, np.float64).tobytes())
     key = (tuple((k, _hashable(cfg[k])) for k in SCHEMA if k not in _NON_PROGRAM_KEYS),
            tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, tuple(mesh.axis_names),
-           mesh.devices.flat[0].device_kind, vocab_size, batch_size)
+           mesh.devices.flat[0].device_kind, vocab_size, batch_size, counts_key)
     if key in _PROGRAMS:
         _PROGRAMS.move_to_end(key)
         return _PROGRAMS[key]
-    program = build_program(cfg, mesh, vocab_size, batch_size=batch_size)
+    program = build_program(cfg, mesh, vocab_size, batch_size=batch_size, item_counts=item_counts)
     _PROGRAMS[key] = program
     while len(_PROGRAMS) > _MAX_PROGRAMS:
         _PROGRAMS.popitem(last=False)
@@ -145,9 +180,10 @@ def _hashable(v):
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
-def build_program(cfg, mesh, vocab_size: int, *, batch_size=None) -> Program:
-    """Everything jitted for ``cfg`` on ``mesh`` with a ``vocab_size``-id vocabulary."""
-    layout = parallel.layout_for(mesh)
+def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=None) -> Program:
+    """Everything jitted for ``cfg`` on ``mesh`` with a ``vocab_size``-id vocabulary
+    (``item_counts``: the training split's item counts, for a sampled loss's proposal)."""
+    layout = parallel.layout_for(mesh, cfg.loss_fsdp_gather)
     platform = layout.platform
     rows = recloss.padded_vocab_size(vocab_size, layout)
     strategy = recloss.get_strategy(cfg.loss, loss_options(cfg, vocab_size=vocab_size))
@@ -181,17 +217,23 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None) -> Program:
     batch_sh = parallel.named(mesh, parallel.batch_specs(layout))
     replicated = NamedSharding(mesh, P())
 
-    def loss_fn(params, batch, key):
+    sampled = {}
+    if strategy.objective == "sampled":
+        sampled["log_q"] = proposal_log_q(cfg, vocab_size, item_counts)
+
+    def loss_fn(params, batch, key, step=None):
         model = nnx.merge(graphdef, params)
         hidden = model(batch["inputs"], rng=key)
         table = model.output_table().astype(cdtype)
-        out = strategy(hidden, table, batch["targets"], batch["weights"], model.output_bias(), layout=layout)
+        extra = {} if not sampled else dict(sampled, key=negatives_key(seed, step))
+        out = strategy(hidden, table, batch["targets"], batch["weights"], model.output_bias(), layout=layout,
+                       **extra)
         return out.loss, out.metrics
 
     def train_step(state, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         key = key if cfg.dropout > 0 else None
-        (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key)
+        (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key, state["step"])
         gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])

@@ -31,6 +31,7 @@ from recloss_plugins.sasrec import data as data_lib
 from recloss_plugins.sasrec import distributed
 from recloss_plugins.sasrec import eval as eval_lib
 from recloss_plugins.sasrec import parallel
+from recloss_plugins.sasrec.data import pipeline as pipeline_lib
 from recloss_plugins.sasrec.logging_utils import MetricsWriter, Progress, format_duration
 from recloss_plugins.sasrec.program import Program, format_memory, memory_report, program_for
 
@@ -65,13 +66,14 @@ def _scalar(x) -> float:
 
 
 def _run_dir(cfg) -> Path:
+    """base_output_directory/run_name as an etils.epath.Path (local or gs://, `data.as_path`)."""
     name = cfg.run_name
     if not name:
         if jax.process_count() > 1:
             raise ConfigError("config key 'run_name' must be set for a multi-process run "
                               "(every process must agree on the run directory)")
         name = time.strftime("sasrec_%Y%m%d_%H%M%S")
-    return Path(cfg.base_output_directory).expanduser().resolve() / name
+    return data_lib.as_path(cfg.base_output_directory, "base_output_directory") / name
 
 
 # ----------------------------------------------------------------------------- logged loss metrics
@@ -91,8 +93,10 @@ def loss_metrics(objective: str, rows) -> Dict[str, float]:
         ws = sum(m.get("weight_sum", 0.0) for _, m in rows)
         if "top1" not in first or ws <= 0:
             return {"top1": nan, "mean_lse": nan}
-        return {"top1": sum(m["top1"] for _, m in rows) / ws,
-                "mean_lse": sum(m["mean_lse"] * m["weight_sum"] for _, m in rows) / ws}
+        out = {"top1": sum(m["top1"] for _, m in rows) / ws}
+        if "mean_lse" in first:    # a sampled loss has no log-partition: its top1 is among the sampled set
+            out["mean_lse"] = sum(m["mean_lse"] * m["weight_sum"] for _, m in rows) / ws
+        return out
     if objective == "bce" or "tp" in first:
         if "tp" not in first:
             return {"precision": nan, "recall": nan}
@@ -139,33 +143,49 @@ def evaluate(program: Program, params, split: data_lib.EvalSplit, *, max_users: 
     return out
 
 
+def _evaluate(program: Program, params, ds, name: str, **kw) -> Dict[str, Dict[str, float]]:
+    """`evaluate` of split ``name`` of an in-memory Dataset; for Grain data each process scores its
+    own users (`eval.evaluate_local`) and the metrics are combined across processes."""
+    if isinstance(ds, pipeline_lib.GrainData):
+        return eval_lib.evaluate_local(program, params, ds.eval_split(name), **kw)
+    return evaluate(program, params, getattr(ds, name), **kw)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 class Checkpoints:
-    """Orbax CheckpointManager over ``run_dir/checkpoints``: the state pytree and a JSON record."""
+    """Orbax CheckpointManager over ``run_dir/checkpoints`` (local or gs://): the state pytree, a
+    JSON record and, for the Grain pipeline, each process's iterator state (``data``). Every process
+    writes its own shards; Orbax keeps the newest ``max_to_keep``."""
 
     def __init__(self, directory: Path, max_to_keep: int):
+        import grain
         import orbax.checkpoint as ocp
-        self.ocp = ocp
+        self.ocp, self.grain = ocp, grain
         self.directory = directory
         self.manager = ocp.CheckpointManager(
             directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep or None, create=True),
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                           "data": grain.checkpoint.CheckpointHandler()})
 
     def latest(self) -> Optional[int]:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, meta: dict):
+    def save(self, step: int, state, meta: dict, data=None):
+        """``data``: a Grain iterator (or `pipeline.frozen_state` of one) whose state is saved too."""
         ocp = self.ocp
+        extra = {} if data is None else {"data": self.grain.checkpoint.CheckpointSave(data)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)))
+                                                        meta=ocp.args.JsonSave(meta), **extra))
 
-    def restore(self, step: int, abstract_state):
+    def restore(self, step: int, abstract_state, data=None):
+        """(state, meta); ``data``, a Grain iterator, is set to the saved state of this process."""
         mismatch = self.shape_mismatch(step, abstract_state)
         if mismatch:
             raise ValueError(mismatch)
         ocp = self.ocp
+        extra = {} if data is None else {"data": self.grain.checkpoint.CheckpointRestore(data)}
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore(), **extra))
         return out["state"], out["meta"]
 
     def shape_mismatch(self, step: int, abstract_state) -> Optional[str]:
@@ -215,27 +235,42 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
     say = log if is_main else (lambda *a, **k: None)
     devices = list(jax.devices() if devices is None else devices)
     mesh = parallel.build_mesh(cfg, devices)
+    run_dir = _run_dir(cfg)  # before any work: a bad gs:// URL, missing credentials or bucket fail here
+    if is_main:
+        data_lib.make_dir(run_dir, "base_output_directory")
 
     t0 = time.perf_counter()
-    ds = dataset if dataset is not None else data_lib.build_dataset(cfg)
+    if dataset is not None:
+        ds = dataset
+    elif pipeline_lib.uses_grain(cfg):
+        ds = pipeline_lib.grain_data_for(cfg, jax.process_index(), jax.process_count())
+    else:
+        ds = data_lib.build_dataset(cfg)
     vocab = ds.vocab_size
     if cfg.vocab_size:
         if cfg.vocab_size < vocab:
             raise ConfigError(f"config key 'vocab_size' is {cfg.vocab_size}, but the data has "
                               f"{vocab - 1} items (+1 padding = {vocab}); set vocab_size: 0 or >= {vocab}")
         vocab = cfg.vocab_size
-    say(f"data: {cfg.dataset_type}, {ds.sequences.num_users} users, {ds.sequences.items.size} interactions, "
-        f"{ds.sequences.num_items} items (V={vocab} with padding); split users train {ds.train.num_users} "
-        f"dev {ds.dev.num_users} test {ds.test.num_users} ({time.perf_counter() - t0:.1f}s)")
+    if isinstance(ds, pipeline_lib.GrainData):
+        c = ds.counts()
+        say(f"data: {cfg.dataset_type} via grain, {c['users']} users, {c['interactions']} interactions, "
+            f"{c['items']} items (V={vocab} with padding); {ds.manifest.num_shards} shards in "
+            f"{ds.manifest.path}, process {ds.process_index} of {ds.process_count} reads shards "
+            f"{ds.shard_ids[0]}..{ds.shard_ids[-1]} ({c['local_train_users']} train users) "
+            f"({time.perf_counter() - t0:.1f}s)")
+    else:
+        say(f"data: {cfg.dataset_type}, {ds.sequences.num_users} users, {ds.sequences.items.size} interactions, "
+            f"{ds.sequences.num_items} items (V={vocab} with padding); split users train {ds.train.num_users} "
+            f"dev {ds.dev.num_users} test {ds.test.num_users} ({time.perf_counter() - t0:.1f}s)")
 
-    program = program_for(cfg, mesh, vocab)
+    program = program_for(cfg, mesh, vocab, item_counts=ds.popularity)   # counts: a sampled loss's logQ
     B = program.batch_size
+    if isinstance(ds, pipeline_lib.GrainData):
+        ds.local_batch_size(B)  # B must split over the shards: a named error before any work
     say(f"mesh: {dict(mesh.shape)} over {len(devices)} {program.layout.platform} device(s); "
         f"loss={cfg.loss}; table rows {program.rows} (V={vocab}); global batch {B}")
 
-    run_dir = _run_dir(cfg)
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
     writer = MetricsWriter(run_dir, cfg.enable_tensorboard, active=is_main, log=say)
     ckpt = Checkpoints(run_dir / "checkpoints", cfg.max_checkpoints_to_keep) if cfg.enable_checkpointing else None
 
@@ -250,6 +285,10 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
 
 def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, say, is_main, progress_stream):
     B = program.batch_size
+    grain_it = None
+    if isinstance(ds, pipeline_lib.GrainData):  # this process's rows of each global batch, from its shards
+        grain_it = ds.train_iterator(B, cfg.seed, read_threads=cfg.grain_read_threads,
+                                     prefetch=cfg.grain_prefetch_buffer)
     # ---- state: resume or init
     state, position, start = None, 0, 0
     if ckpt is not None and ckpt.latest() is not None:
@@ -258,7 +297,7 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
         if old_cfg.exists():
             _report_config_changes(old_cfg, cfg, say)
         try:
-            state, meta = ckpt.restore(latest, program.abstract_state)
+            state, meta = ckpt.restore(latest, program.abstract_state, data=grain_it)
         except Exception as err:  # shape/structure mismatch: a different model in this run_name
             raise ConfigError(f"cannot resume {run_dir} from step {latest}: {err}. The checkpoint was "
                               "written by a different model/vocabulary; use a new run_name") from err
@@ -270,12 +309,12 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
     else:
         state = program.init()
     if is_main:
-        dump_config(cfg, run_dir / "config.yml")
+        (run_dir / "config.yml").write_text(dump_config(cfg))
 
     compiled = program.compiled_train_step()
     say(f"compiled train step, per-device memory: {format_memory(memory_report(compiled))}")
 
-    batches = data_lib.TrainBatches(ds.train, B, cfg.seed)
+    batches = data_lib.TrainBatches(ds.train, B, cfg.seed) if grain_it is None else None
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     losses: Dict[int, float] = {}
     pending = []            # (step index, metrics) not yet fetched to the host
@@ -323,8 +362,12 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
     evals: Dict[str, Dict[str, float]] = {}
     try:
         for s in range(start, end):
-            batch = batches.batch(position)
-            batch = {k: parallel.put_global(v, program.batch_shardings[k]) for k, v in batch.items()}
+            if grain_it is None:
+                batch = batches.batch(position)
+                batch = {k: parallel.put_global(v, program.batch_shardings[k]) for k, v in batch.items()}
+            else:
+                batch = {k: parallel.put_process_local(v, program.batch_shardings[k], B)
+                         for k, v in next(grain_it).items()}
             state, metrics = compiled(state, batch)
             position += B
             pending.append((s, metrics))
@@ -340,10 +383,11 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
             if is_ckpt:
                 ckpt.save(done, state, {"step": done, "data_position": position, "vocab_size": vocab,
                                         "table_rows": program.rows, "global_batch_size": B, "loss": cfg.loss,
-                                        "seed": cfg.seed})
+                                        "seed": cfg.seed},
+                          data=None if grain_it is None else pipeline_lib.frozen_state(grain_it))
                 last_saved = done
             if cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.steps:
-                res = evaluate(program, state["params"], ds.dev, max_users=cfg.eval_max_users)
+                res = _evaluate(program, state["params"], ds, "dev", max_users=cfg.eval_max_users)
                 progress.clear()
                 say(f"step {done} dev: " + _fmt_eval(res["model"]))
                 writer.write(done, res["model"], prefix="dev")
@@ -354,13 +398,15 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
 
     if end >= cfg.steps:
         k = cfg.eval_top_k
-        for name, split in (("dev", ds.dev), ("test", ds.test)):
-            res = evaluate(program, state["params"], split, popularity_counts=ds.popularity)
+        for name in ("dev", "test"):
+            res = _evaluate(program, state["params"], ds, name, popularity_counts=ds.popularity)
             evals[name], evals[f"{name}_popularity"] = res["model"], res["popularity"]
             writer.write(end, res["model"], prefix=name)
             writer.write(end, res["popularity"], prefix=f"{name}_popularity")
-        say(f"evaluation at step {end} (top-{k} over all {vocab - 1} items, {ds.dev.num_users} dev / "
-            f"{ds.test.num_users} test users):")
+        n_dev, n_test = ((int(evals["dev"]["users"]), int(evals["test"]["users"])) if grain_it is not None
+                         else (ds.dev.num_users, ds.test.num_users))
+        say(f"evaluation at step {end} (top-{k} over all {vocab - 1} items, {n_dev} dev / "
+            f"{n_test} test users):")
         for name in ("dev", "test"):
             say(f"  {name:<4} SASRec     {_fmt_eval(evals[name])}")
             say(f"  {name:<4} popularity {_fmt_eval(evals[name + '_popularity'])}")

@@ -10,9 +10,14 @@ Modules:
     splits     the paper's train/dev/test splits and train-region popularity
     batching   TrainBatches, the deterministic, resumable batch stream
     synthetic  the seeded multi-intent generator
+    storage    local paths and gs:// URLs as one etils.epath.Path (as_path), StorageError
     tables     data files -> numpy columns (CSV/TSV/Parquet via pyarrow)
     readers    interaction logs and Yambda -> Sequences
     dataset    a config -> Sequences -> Dataset (splits + popularity)
+    stream     interaction logs read in pieces (Parquet row groups, CSV blocks)
+    shards     the prepared-shard layout (manifest, ArrayRecord shards), ShardError
+    prepare    recloss-prepare-data: a log -> per-user sequence shards
+    pipeline   the Grain pipeline over prepared shards: GrainData, each process its share
 """
 
 from recloss_plugins.sasrec.data.batching import TrainBatches
@@ -20,6 +25,8 @@ from recloss_plugins.sasrec.data.dataset import Dataset, build_dataset, load_seq
 from recloss_plugins.sasrec.data.errors import DataError
 from recloss_plugins.sasrec.data.readers import load_interactions, load_yambda
 from recloss_plugins.sasrec.data.sequences import Sequences
+from recloss_plugins.sasrec.data.shards import ShardError
+from recloss_plugins.sasrec.data.storage import StorageError, as_path, make_dir
 from recloss_plugins.sasrec.data.splits import (
     EvalSplit,
     TrainSplit,
@@ -31,7 +38,8 @@ from recloss_plugins.sasrec.data.splits import (
 from recloss_plugins.sasrec.data.synthetic import synthetic
 
 __all__ = [
-    "DataError", "Dataset", "EvalSplit", "Sequences", "TrainBatches", "TrainSplit", "build_dataset",
-    "load_interactions", "load_sequences", "load_yambda", "make_eval_split", "make_train_split",
-    "popularity", "split_cuts", "synthetic",
+    "DataError", "Dataset", "EvalSplit", "Sequences", "ShardError", "StorageError", "TrainBatches", "TrainSplit",
+    "as_path",
+    "build_dataset", "load_interactions", "load_sequences", "load_yambda", "make_dir", "make_eval_split",
+    "make_train_split", "popularity", "split_cuts", "synthetic",
 ]

@@ -92,7 +92,7 @@ def draw(key, log_q, k: int):
 
 
 def check_key(key):
-    """Raises unless ``key`` is a `jax.random` key (a typed key, or uint32 key data [2])."""
+    """Raises unless ``key`` is a `jax.random` key (a typed key, or uint32 key data of the default implementation's shape)."""
     if key is None:
         raise ValueError("recloss.sampled_loss needs key=: a jax.random key (e.g. jax.random.key(step)) that "
                          "draws the negatives; the same key gives the same negatives and loss")
@@ -101,7 +101,9 @@ def check_key(key):
         if key.shape != ():
             raise ValueError(f"key must be a single jax.random key, got a key array of shape {key.shape}")
         return key
-    if dtype == jnp.uint32 and tuple(key.shape) == (2,):
+    # Raw key data has the default PRNG implementation's shape: (2,) for threefry, (4,) for rbg.
+    data_shape = tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
+    if dtype == jnp.uint32 and tuple(key.shape) == data_shape:
         return jax.random.wrap_key_data(key)
-    raise TypeError(f"key must be a jax.random key (jax.random.key(seed)) or uint32 key data of shape (2,), "
+    raise TypeError(f"key must be a jax.random key (jax.random.key(seed)) or uint32 key data of shape {data_shape}, "
                     f"got {type(key).__name__} with dtype {dtype} and shape {getattr(key, 'shape', None)}")

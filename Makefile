@@ -4,7 +4,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test train bench clean
+# The second test leg: Python 3.12 at the newest jax the resolver gives, with MaxText installed for real
+# (`make test-py312`). A python3.12 on PATH that runs, else pyenv's; `make -s python312` prints it.
+VENV312   ?= .venv312
+PYTHON312 ?= $(shell for p in "$$(command -v python3.12)" "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3; do \
+	  [ -x "$$p" ] && "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; \
+	done)
+STAMP312  := $(VENV312)/.installed
+
+.PHONY: test test-py312 python312 train bench quality clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,11 +25,35 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
+python312:
+	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found (python3.12 on PATH, or pyenv's versions/3.12.*)" >&2; exit 1; }
+	@echo "$(PYTHON312)"
+
+$(STAMP312): pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found (python3.12 on PATH, or pyenv's versions/3.12.*)" >&2; exit 1; }
+	test -x $(VENV312)/bin/python || $(PYTHON312) -m venv $(VENV312)
+	echo '*' > $(VENV312)/.gitignore
+	$(VENV312)/bin/python -m pip install -q --upgrade pip
+	$(VENV312)/bin/python -m pip install -q -e ".[test,tpu,maxtext]"
+	touch $(STAMP312)
+
+# RECLOSS_REQUIRE_MAXTEXT=1: the MaxText tests fail, rather than skip, when MaxText does not import.
+test-py312: $(STAMP312)
+	$(VENV312)/bin/python -c 'import jax, maxtext, importlib.metadata as m; print("py312 leg: jax", jax.__version__, "maxtext", m.version("maxtext"))'
+	RECLOSS_REQUIRE_MAXTEXT=1 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS)
+
 train: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)/bin/recloss-train configs/base.yml $(TRAIN_ARGS)
 
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)/bin/recloss-bench $(BENCH_ARGS)
 
+# The quality-vs-cost table (README "Sampled objectives"): one recloss-train run per loss on the same
+# data, model, steps and seed. DATA=path/to/log.csv runs it on an interactions file instead of the
+# synthetic data; QUALITY_ARGS adds key=value overrides or --hbm (v6e-8 per-chip HBM per row).
+quality: $(STAMP)
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) -m recloss_plugins.sasrec.quality configs/base.yml \
+	  $(if $(DATA),dataset_type=interactions dataset_path=$(DATA)) $(QUALITY_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV312) .pytest_cache build *.egg-info

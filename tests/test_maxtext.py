@@ -442,7 +442,10 @@ def test_targets_shape_error(rng):
 def maxtext():
     reason = ("MaxText is not installed (it needs Python >= 3.12: pip install 'recloss[maxtext]'); "
               "its adapter is tested above on stand-ins")
-    pyconfig = pytest.importorskip("maxtext.configs.pyconfig", reason=reason)
+    if os.environ.get("RECLOSS_REQUIRE_MAXTEXT") == "1":     # `make test-py312`: a skip would hide a break
+        from maxtext.configs import pyconfig
+    else:
+        pyconfig = pytest.importorskip("maxtext.configs.pyconfig", reason=reason)
     from maxtext.utils import model_creation_utils
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
     return types.SimpleNamespace(pyconfig=pyconfig, create=model_creation_utils.from_config,
@@ -510,13 +513,16 @@ def test_maxtext_loss_and_grads_match_bce_of_maxtext_logits(maxtext, rng, overri
     loss, grads = nnx.jit(nnx.value_and_grad(ours))(model)
     want, want_grads = nnx.jit(nnx.value_and_grad(reference))(model)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
-    got_leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
-    want_leaves = jax.tree.leaves(nnx.state(want_grads, nnx.Param))
+    got_leaves = jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param))
+    want_leaves = jax.tree_util.tree_leaves_with_path(nnx.state(want_grads, nnx.Param))
     assert len(got_leaves) == len(want_leaves) > 0
-    for g, w in zip(got_leaves, want_leaves):
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
         scale = float(jnp.max(jnp.abs(w)))
         assert scale > 0
-        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=1e-5)
+        # The reference's tied head (MaxText's attend) rounds the embedding's cotangent to bfloat16.
+        tied = cfg.logits_via_embedding and "embedding" in jax.tree_util.keystr(path)
+        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=2 ** -8 if tied else 1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.slow
@@ -539,12 +545,16 @@ def test_maxtext_softmax_loss_and_grads_match_maxtext_own_cross_entropy(maxtext,
     loss, grads = nnx.jit(nnx.value_and_grad(lambda m: rm.loss_fn(m, cfg, dict(data), None, None)[0]))(model)
     want, want_grads = nnx.jit(nnx.value_and_grad(lambda m: own(m, cfg, dict(data), None, None)[0]))(model)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
-    got_leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
-    want_leaves = jax.tree.leaves(nnx.state(want_grads, nnx.Param))
+    got_leaves = jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param))
+    want_leaves = jax.tree_util.tree_leaves_with_path(nnx.state(want_grads, nnx.Param))
     assert len(got_leaves) == len(want_leaves) > 0
-    for g, w in zip(got_leaves, want_leaves):
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
         scale = max(float(jnp.max(jnp.abs(w))), 1e-12)
-        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=1e-5)
+        # MaxText's tied output head (attend) multiplies by the table cast to bfloat16, so its own
+        # cotangent for the embedding is rounded to bfloat16 (2^-8 relative); recloss keeps float32.
+        tied = cfg.logits_via_embedding and "embedding" in jax.tree_util.keystr(path)
+        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=2 ** -8 if tied else 1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def test_maxtext_install_replaces_train_loss_fn(maxtext):

@@ -119,3 +119,104 @@ def test_chunked_padding_bias_is_exp0_per_padded_column():
     bias, pad = peers.padding_bias(z, 3001, v_block=2048)
     assert pad == 1095
     assert bias == pytest.approx(np.mean(np.log(np.exp(z) + pad) - z), rel=1e-6)
+
+
+# ------------------------------------------------------------------ --plot and the version
+def test_version_is_the_package_metadata_one():
+    import tomllib
+    from importlib import metadata
+    from pathlib import Path
+
+    import recloss
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert recloss.__version__ == metadata.version("recloss") == pyproject["project"]["version"]
+
+
+def _fake_payload(rng):
+    """A `plot.collect` payload with fresh random numbers: HBM grows with V, dense OOMs at the top."""
+    from recloss.bench import plot
+
+    vocabs = (100_000, 1_000_000, 10_000_000)
+    rows, cpu = [], []
+    for name in plot.TOPOLOGY_STRATEGIES:
+        for v in vocabs:
+            oom = name.startswith("dense") and v == vocabs[-1]
+            hbm = "OOM" if oom else int(v * rng.uniform(1e3, 1e4))
+            rows.append(dict(topology="v6e-8", strategy=name, B=8, N=256, D=256, V=v, L=8, hbm_bytes=hbm,
+                             temp_bytes=hbm, flops=None, ideal_flops=1, compile_s=1.0))
+    for objective, names in plot.CPU_STRATEGIES.items():
+        for name in names:
+            for v in vocabs[:2]:
+                cpu.append(dict(objective=objective, strategy=name, vocab=v, median_s=float(rng.uniform(0.1, 2))))
+    info = dict(topology="v6e-8", topology_shape=plot.TOPOLOGY_SHAPE, cpu_shape=plot.CPU_SHAPE, repeats=3,
+                jax_version="x", recloss_version="y", cpu_count=2)
+    return dict(topology=rows, cpu=cpu, info=info)
+
+
+def test_plot_draws_hbm_and_cpu_time_against_v_with_oom_marked(tmp_path):
+    import numpy as np
+    pytest.importorskip("matplotlib", reason="the `plot` extra (matplotlib) is not installed")
+    from matplotlib import image
+
+    from recloss.bench import plot
+
+    payload = _fake_payload(np.random.default_rng())
+    path = tmp_path / "bench.png"
+    fig = plot.render(payload, str(path))
+    hbm, cpu = fig.axes
+    assert hbm.get_xscale() == hbm.get_yscale() == cpu.get_xscale() == "log"
+    assert [t.get_text() for t in hbm.get_legend().get_texts()] == list(plot.TOPOLOGY_STRATEGIES)
+    assert [t.get_text() for t in cpu.get_legend().get_texts()] == ["dense_bce", "cutbce", "dense_ce", "cutce"]
+    # Each line holds the strategy's measured GiB, in V order; OOM cells are not on it but an x on the HBM line.
+    for line in hbm.get_lines()[:len(plot.TOPOLOGY_STRATEGIES)]:
+        want = sorted((r["V"], r["hbm_bytes"] / 2**30) for r in payload["topology"]
+                      if r["strategy"] == line.get_label() and r["hbm_bytes"] != "OOM")
+        np.testing.assert_allclose(np.c_[line.get_xdata(), line.get_ydata()], want)
+    marks = [c.get_offsets() for c in hbm.collections]
+    assert len(marks) == 2 and all(np.allclose(m, [[10_000_000, plot.HBM_GIB["v6e-8"]]]) for m in marks)
+    assert any("out of HBM" in t.get_text() for t in hbm.texts)
+    pixels = image.imread(str(path))
+    assert pixels.shape[0] > 500 and pixels.shape[1] > 1500 and pixels.std() > 0.05   # drawn, not blank
+
+
+def test_plot_needs_matplotlib_and_says_how_to_get_it(monkeypatch, capsys, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib -> ImportError
+    with pytest.raises(SystemExit):
+        cli.main(["--plot", str(tmp_path / "x.png")])
+    assert "pip install 'recloss[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot
+def test_plot_command_compiles_for_v6e_times_on_cpu_and_writes_the_png(monkeypatch, tmp_path):
+    """`recloss-bench --plot` end to end on a small sweep: dense_bce runs out of v6e HBM at V=10^7
+    (a [2048, 10^7] float32 logits array is 76 GiB), cutbce does not, and the PNG is written."""
+    pytest.importorskip("matplotlib", reason="the `plot` extra (matplotlib) is not installed")
+    from recloss.bench import plot
+
+    monkeypatch.setattr(plot, "QUICK", dict(
+        topology_strategies=("dense_bce", "cutbce"), topology_vocabs=(100_003, 10_000_000),
+        topology_shape=dict(B=8, N=256, D=128, L=8), cpu_strategies={"bce": ("dense_bce", "cutbce")},
+        cpu_vocabs=(2_001,), cpu_shape=dict(batch=2, seq=16, dim=24, labels=3)))
+    png, js = tmp_path / "bench.png", tmp_path / "bench.json"
+    assert cli.main(["--plot", str(png), "--quick", "--repeats", "2", "--json", str(js)]) == 0
+    payload = json.loads(js.read_text())
+    hbm = {(r["strategy"], r["V"]): r["hbm_bytes"] for r in payload["topology"]}
+    assert hbm[("dense_bce", 10_000_000)] == "OOM"
+    assert isinstance(hbm[("cutbce", 10_000_000)], int)
+    # cutbce holds the table, its gradient and a copy or two (V·D·4 bytes each) plus O(block) logits;
+    # dense's [B·N, V] float32 logits alone would be 20x one table here.
+    table = 10_000_000 * 128 * 4
+    assert 2 * table <= hbm[("cutbce", 10_000_000)] < 4 * table
+    assert hbm[("cutbce", 100_003)] < hbm[("dense_bce", 100_003)]
+    cpu = {(r["strategy"], r["vocab"]): r for r in payload["cpu"]}
+    assert set(cpu) == {("dense_bce", 2_001), ("cutbce", 2_001)}
+    for v in (2_001,):      # interleaved rows of one V compute one loss
+        assert cpu[("cutbce", v)]["loss"] == pytest.approx(cpu[("dense_bce", v)]["loss"], rel=1e-5)
+        assert cpu[("cutbce", v)]["repeats"] == 2 and cpu[("cutbce", v)]["median_s"] > 0
+    import recloss
+    assert payload["info"]["recloss_version"] == recloss.__version__
+    assert png.stat().st_size > 10_000

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Optional
 
-from recloss.bench import peers
+from recloss.bench import peers, plot
 from recloss.bench.rows import (MATMULS_ONLY, OBJECTIVES, OPTAX, OPTAX_LABEL, OPTAX_SOFTMAX_LABEL,  # noqa: F401
                                 TOKAMAX, Objective, Row, expand_peers, is_peer, rows_for)
 
@@ -65,14 +65,17 @@ def _build(row: Row, inputs, block_v):
 
 
 def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed: int = 0,
-            objective: str = "bce", precision: Optional[str] = None):
+            objective: str = "bce", precision: Optional[str] = None, labels: Optional[set] = None):
     """Compiles every row of ``strategies`` (peers already expanded) and times them interleaved.
 
     ``precision``: jax.default_matmul_precision for every row and the ceiling (None: JAX's default).
+    ``labels``: keep only the rows of these labels (e.g. {'cutbce (fused)'}; None: all).
     """
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    import recloss
 
     obj = OBJECTIVES[objective]
     b, n, v, d, l = (shape[k] for k in ("batch", "seq", "vocab", "dim", "labels"))
@@ -86,7 +89,7 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
     with precise():
         matmul = jax.jit(lambda x, y: x @ y).lower(mat, mat).compile()
 
-    rows = rows_for(obj, strategies)
+    rows = [r for r in rows_for(obj, strategies) if labels is None or r.label in labels]
     for row in rows:
         if row.table_layout not in tables:      # 'DV': laid out once, outside the timed call
             tables[row.table_layout] = jnp.asarray(np.asarray(table).T.copy())
@@ -151,7 +154,7 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
             results[-1]["peer"] = True
     info = dict(matmul_gflops_per_s=matmul_rate / 1e9, matmul_shape="2048x2048x2048 f32",
                 devices=str(jax.devices()[0].device_kind), cpu_count=os.cpu_count(),
-                jax_version=jax.__version__)
+                jax_version=jax.__version__, recloss_version=recloss.__version__)
     if objective != "bce":
         info.update(objective=objective, dense=obj.dense, precision=precision or "default")
     if any(r.peer for r in rows):
@@ -322,7 +325,14 @@ def main(argv=None):
                         help="with --topology: 'paper' (Table II + Table III shapes), 'table2', 'table3', or "
                              "B,N,D,V[;B,N,D,V...]")
     parser.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="draw the benchmark as a PNG: per-chip HBM of loss+grad vs V (1e5..1e7) from the "
+                             "v6e AOT compile and CPU time per step vs V, dense and blocked strategies of both "
+                             "objectives (a few minutes; --quick: seconds, smaller shapes); needs matplotlib: "
+                             "pip install 'recloss[plot]'")
     args = parser.parse_args(argv)
+    if args.plot:
+        return _plot(parser, args)
 
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -386,6 +396,60 @@ def main(argv=None):
         payload = dict(info=info, rows=results)
         if notes:
             payload["notes"] = notes
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(payload, fh, indent=2)
+        _log(f"[bench] wrote {args.json}")
+    return 0
+
+
+def plot_payload(*, topology: str = plot.TOPOLOGY, topology_strategies=plot.TOPOLOGY_STRATEGIES,
+                 topology_vocabs=plot.TOPOLOGY_VOCABS, topology_shape: Optional[dict] = None,
+                 cpu_strategies: Optional[dict] = None, cpu_vocabs=plot.CPU_VOCABS,
+                 cpu_shape: Optional[dict] = None, repeats: int = 3) -> dict:
+    """The data of `plot.render`'s figure: {'topology': rows of `topology.topology_rows`, 'cpu': rows
+    of `run_cpu` (each with its 'objective'), 'info': shapes, versions, timings}."""
+    import jax
+
+    import recloss
+    from recloss.bench import topology as topo
+
+    tshape = dict(plot.TOPOLOGY_SHAPE if topology_shape is None else topology_shape)
+    cshape = dict(plot.CPU_SHAPE if cpu_shape is None else cpu_shape)
+    cpu_strategies = plot.CPU_STRATEGIES if cpu_strategies is None else cpu_strategies
+    t0 = time.perf_counter()
+    rows = []
+    for v in topology_vocabs:
+        _log(f"[bench] {topology}: compiling {len(topology_strategies)} strategies at V={v:,} ...")
+        rows += topo.topology_rows(topology, topology_strategies,
+                                   [topo.Shape(tshape["B"], tshape["N"], tshape["D"], v, tshape["L"])])
+    t1 = time.perf_counter()
+    cpu = []
+    for objective, strategies in cpu_strategies.items():
+        for v in cpu_vocabs:
+            _log(f"[bench] CPU {objective} at V={v:,} ...")
+            # cutbce's fused row only (not its recompute and matmuls-only rows): one line per strategy.
+            results, info = run_cpu(dict(cshape, vocab=v), list(strategies), repeats, None,
+                                    objective=objective, labels=set(strategies) | {"cutbce (fused)"})
+            cpu += [dict(r, objective=objective, strategy=r["strategy"].replace(" (fused)", ""))
+                    for r in results]
+    info = dict(topology=topology, topology_shape=tshape, cpu_shape=cshape, repeats=repeats,
+                jax_version=jax.__version__, recloss_version=recloss.__version__,
+                topology_s=round(t1 - t0), cpu_s=round(time.perf_counter() - t1),
+                cpu_matmul_gflops_per_s=info["matmul_gflops_per_s"] if cpu else None,
+                cpu_count=info["cpu_count"] if cpu else None)
+    return dict(topology=rows, cpu=cpu, info=info)
+
+
+def _plot(parser, args) -> int:
+    try:
+        plot._pyplot()       # fail before minutes of compiles when matplotlib is missing
+    except RuntimeError as err:
+        parser.error(str(err))
+    t0 = time.perf_counter()
+    payload = plot_payload(repeats=args.repeats, **(plot.QUICK if args.quick else {}))
+    plot.render(payload, args.plot)
+    _log(f"[bench] wrote {args.plot} in {time.perf_counter() - t0:.0f}s")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=2)

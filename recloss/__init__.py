@@ -4,9 +4,12 @@
     out.loss, out.metrics["tp"]
 """
 
-from recloss.api import bce_loss, softmax_loss
+from importlib import metadata as _metadata
+
+from recloss.api import bce_loss, sampled_loss, softmax_loss
 from recloss.assemble import LossOutput
 from recloss.options import LossOptions
+from recloss.sampled import log_q_from_counts
 from recloss.registry import available_strategies, get_strategy, register_strategy
 from recloss.sharding import MeshLayout, Specs, padded_vocab_size
 from recloss.strategy import Strategy
@@ -20,9 +23,12 @@ __all__ = [
     "available_strategies",
     "bce_loss",
     "get_strategy",
+    "log_q_from_counts",
     "padded_vocab_size",
     "register_strategy",
+    "sampled_loss",
     "softmax_loss",
 ]
 
-__version__ = "0.1.0"
+# One version, pyproject.toml's, read back from the installed package's metadata.
+__version__ = _metadata.version("recloss")

@@ -31,4 +31,7 @@ __all__ = [
 ]
 
 # One version, pyproject.toml's, read back from the installed package's metadata.
-__version__ = _metadata.version("recloss")
+try:
+    __version__ = _metadata.version("recloss")
+except _metadata.PackageNotFoundError:   # imported from a source tree that was never pip-installed
+    __version__ = "0+unknown"

@@ -73,6 +73,23 @@ def f64(x) -> np.ndarray:
     """Any array (numpy, jax, bfloat16) as float64 numpy."""
     return np.asarray(x).astype(np.float64)
 
+def _inputs(hidden, table, targets, weights, vocab_size, schedule):
+    """Float64 [M, D] hidden, [R, D] table, V, int64 [M, L] targets, [M] weights; rejects unknown options."""
+    unknown = set(schedule) - set(_SCHEDULE_OPTIONS)
+    if unknown:
+        raise TypeError(f"oracle got unknown options {sorted(unknown)}")
+    h = f64(hidden)
+    lead, d = h.shape[:-1], h.shape[-1]
+    h2 = h.reshape(-1, d)
+    e = f64(table)
+    m, r = h2.shape[0], e.shape[0]
+    v = r if vocab_size is None else int(vocab_size)
+    assert v <= r
+    t2 = np.asarray(targets).reshape(m, -1).astype(np.int64)
+    w = np.ones(m) if weights is None else f64(weights).reshape(m)
+    return lead, d, h2, e, m, r, v, t2, w
+
+
 
 def softplus(x):
     return np.logaddexp(0.0, x)
@@ -124,18 +141,7 @@ def bce_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent=Non
       The keyword options mirror `recloss.LossOptions`; block sizes and other
       schedule-only options are accepted and ignored.
     """
-    unknown = set(schedule) - set(_SCHEDULE_OPTIONS)
-    if unknown:
-        raise TypeError(f"oracle got unknown options {sorted(unknown)}")
-    h = f64(hidden)
-    lead, d = h.shape[:-1], h.shape[-1]
-    h2 = h.reshape(-1, d)
-    e = f64(table)
-    m, r = h2.shape[0], e.shape[0]
-    v = r if vocab_size is None else int(vocab_size)
-    assert v <= r
-    t2 = np.asarray(targets).reshape(m, -1)
-    w = np.ones(m) if weights is None else f64(weights).reshape(m)
+    lead, d, h2, e, m, r, v, t2, w = _inputs(hidden, table, targets, weights, vocab_size, schedule)
 
     x = h2 @ e.T
     if bias is not None:
@@ -231,17 +237,7 @@ def softmax_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent
     the weight of rows whose top two logits are within 1e-5·max(1, |x|) (a float32
     argmax may pick either).
     """
-    unknown = set(schedule) - set(_SCHEDULE_OPTIONS)
-    if unknown:
-        raise TypeError(f"oracle got unknown options {sorted(unknown)}")
-    h = f64(hidden)
-    lead, d = h.shape[:-1], h.shape[-1]
-    h2 = h.reshape(-1, d)
-    e = f64(table)
-    m, r = h2.shape[0], e.shape[0]
-    v = r if vocab_size is None else int(vocab_size)
-    t2 = np.asarray(targets).reshape(m, -1)
-    w = np.ones(m) if weights is None else f64(weights).reshape(m)
+    lead, d, h2, e, m, r, v, t2, w = _inputs(hidden, table, targets, weights, vocab_size, schedule)
     tau, eps, lam = float(temperature), float(label_smoothing), float(z_loss)
 
     raw = h2 @ e.T + (0.0 if bias is None else f64(bias)[None, :])
@@ -321,17 +317,7 @@ def sampled_oracle(hidden, table, targets, weights=None, bias=None, *, negatives
     Metrics: num_targets, invalid_targets, weight_sum, top1 = Σ w'·[max_t x_t > max_{c live} x_c]
     (``metric_slack``: weight of rows where the two are within 1e-5·max(1, |x|)).
     """
-    unknown = set(schedule) - set(_SCHEDULE_OPTIONS)
-    if unknown:
-        raise TypeError(f"oracle got unknown options {sorted(unknown)}")
-    h = f64(hidden)
-    lead, d = h.shape[:-1], h.shape[-1]
-    h2 = h.reshape(-1, d)
-    e = f64(table)
-    m, r = h2.shape[0], e.shape[0]
-    v = r if vocab_size is None else int(vocab_size)
-    t2 = np.asarray(targets).reshape(m, -1).astype(np.int64)
-    w = np.ones(m) if weights is None else f64(weights).reshape(m)
+    lead, d, h2, e, m, r, v, t2, w = _inputs(hidden, table, targets, weights, vocab_size, schedule)
     tau = float(temperature)
     neg = np.asarray(negatives).astype(np.int64).reshape(-1)
     kneg = len(neg)

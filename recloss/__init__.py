@@ -4,8 +4,7 @@
     out.loss, out.metrics["tp"]
 """
 
-from importlib import metadata as _metadata
-
+from recloss import _version
 from recloss.api import bce_loss, sampled_loss, softmax_loss
 from recloss.assemble import LossOutput
 from recloss.options import LossOptions
@@ -30,8 +29,4 @@ __all__ = [
     "softmax_loss",
 ]
 
-# One version, pyproject.toml's, read back from the installed package's metadata.
-try:
-    __version__ = _metadata.version("recloss")
-except _metadata.PackageNotFoundError:   # imported from a source tree that was never pip-installed
-    __version__ = "0+unknown"
+__version__ = _version.version()   # pyproject.toml's, from the package metadata

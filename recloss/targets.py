@@ -90,7 +90,7 @@ def _gather_bwd(res, g):
     g = g.astype(jnp.float32)
     rows = jnp.take(table, ids, axis=0)
     dh = jnp.einsum("ml,mld->md", g.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
-    de, db = scatter_rows(hidden, g, ids, table.shape[0], bias is not None)
+    de, db = scatter_rows(hidden, g, ids, table.shape[0], bias is not None, dtype=table.dtype)
     return (dh.astype(hidden.dtype), de.astype(table.dtype),
             None if bias is None else db.astype(bias.dtype), None)
 
@@ -108,20 +108,23 @@ SCATTER_ROWS = 1024
 SCATTER_SCAN_ROWS = 4096
 
 
-def scatter_rows(hidden, g, ids, rows: int, with_bias: bool):
-    """(dE [rows, D] f32, db [rows] f32 or None) with dE[v] = Σ_{ids[m,l] = v} g[m,l]·hidden[m].
+def scatter_rows(hidden, g, ids, rows: int, with_bias: bool, dtype=jnp.float32):
+    """(dE [rows, D], db [rows] f32 or None) with dE[v] = Σ_{ids[m,l] = v} g[m,l]·hidden[m].
 
     The transpose of `gather_logits` in its table and bias. Above
     ``SCATTER_SCAN_ROWS`` rows, a `lax.scan` over chunks of ``SCATTER_ROWS``
-    rows, each adding its [chunk·L, D] products into the carried dE (updated in
-    place), so the compiled program does not grow with M; below, one scatter.
+    rows, each adding its [chunk·L, D] products into the carried f32 dE (updated
+    in place), so the compiled program does not grow with M; below, one scatter
+    in ``dtype`` (the table's: so XLA can fold it into the background's dE buffer
+    of that dtype, as autodiff's scatter was; an f32 one beside a bf16 dE would be
+    a second [rows, D] buffer).
     """
     m, l = ids.shape
     d = hidden.shape[1]
     if m <= SCATTER_SCAN_ROWS:
         upd = (g[:, :, None] * hidden.astype(jnp.float32)[:, None, :]).reshape(m * l, d)
         flat = ids.reshape(-1).astype(jnp.int32)
-        de = jnp.zeros((rows, d), jnp.float32).at[flat].add(upd)
+        de = jnp.zeros((rows, d), dtype).at[flat].add(upd.astype(dtype))
         return de, (jnp.zeros((rows,), jnp.float32).at[flat].add(g.reshape(-1)) if with_bias else None)
     c = SCATTER_ROWS
     n = -(-m // c)

@@ -21,6 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import recloss  # noqa: E402
 from recloss.bench import topology  # noqa: E402
+from recloss import targets  # noqa: E402
 from recloss.pallas import tiling  # noqa: E402
 
 pytestmark = [
@@ -133,7 +134,10 @@ def test_pallas_other_shapes_v6e(shape, label, chunked):
     compiled = topology.compile_loss_grad("cutbce_pallas", "v6e-8", shape)
     ma, flops, ideal = _report(f"cutbce_pallas v6e-8 {label}", compiled, shape)
     assert len(_kernel_names(compiled)) == t.num_chunks
-    assert ma.temp_size_in_bytes <= 0.25 * GiB
+    # Above SCATTER_SCAN_ROWS rows the correction's table gradient is a scan of scatters
+    # (fast compiles) whose carry is one more f32 [V, D]; that buffer is allowed, nothing else.
+    carry = shape.V * shape.D * 4 if shape.B * shape.N > targets.SCATTER_SCAN_ROWS else 0
+    assert ma.temp_size_in_bytes <= 0.25 * GiB + carry
     assert ideal <= flops <= 1.01 * ideal
 
 

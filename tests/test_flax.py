@@ -57,11 +57,8 @@ class _NnxModel(nnx.Module):
         return self.head(hidden, targets, weights, table=table)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_nnx_model_trains(rng, tied):
-    v, d = 96, 16
-    items, targets, weights = _memorise_data(rng, v)
-    model = _NnxModel(v, d, tied=tied, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+def _train_nnx(model, items, targets, weights, steps=150):
+    """Adam(3e-2) on ``model(items, targets, weights).loss``: (the losses, the last step's metrics)."""
     opt = nnx.Optimizer(model, optax.adam(3e-2), wrt=nnx.Param)
 
     @nnx.jit
@@ -74,9 +71,18 @@ def test_nnx_model_trains(rng, tied):
         return loss, metrics
 
     losses = []
-    for _ in range(150):
+    for _ in range(steps):
         loss, metrics = step(model, opt)
         losses.append(float(loss))
+    return losses, metrics
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_nnx_model_trains(rng, tied):
+    v, d = 96, 16
+    items, targets, weights = _memorise_data(rng, v)
+    model = _NnxModel(v, d, tied=tied, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    losses, metrics = _train_nnx(model, items, targets, weights)
     assert np.all(np.isfinite(losses))
     assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
     assert _recall(metrics) > 0.9, _recall(metrics)
@@ -285,21 +291,7 @@ def test_nnx_model_trains_with_a_softmax_head(rng):
             return self.head(hidden, targets, weights, table=self.embed.embedding)
 
     model = Model(nnx.Rngs(int(rng.integers(1 << 30))))
-    opt = nnx.Optimizer(model, optax.adam(3e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt):
-        def loss_fn(m):
-            out = m(items, targets, weights)
-            return out.loss, out.metrics
-        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-        opt.update(model, grads)
-        return loss, metrics
-
-    losses = []
-    for _ in range(150):
-        loss, metrics = step(model, opt)
-        losses.append(float(loss))
+    losses, metrics = _train_nnx(model, items, targets, weights)
     assert np.all(np.isfinite(losses))
     assert losses[0] > np.log(v) - 1 and losses[-1] < np.log(3) + 0.3, (losses[0], losses[-1])
     assert float(metrics["top1"] / metrics["weight_sum"]) > 0.9

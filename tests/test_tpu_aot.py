@@ -155,30 +155,6 @@ def test_topology_rows_cells():
 
 
 # ----------------------------------------------------------------------------- softmax
-def _compile_softmax(strategy, topo, shape, *, with_bias=False, **options):
-    """jit(value_and_grad(Σ softmax_loss, (hidden, table[, bias]))) compiled for one chip of ``topo``
-    (as `topology.compile_loss_grad` does for bce_loss; the sum makes reduction='none' scalar)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    mesh = topology.one_chip_mesh(topo)
-    rep = NamedSharding(mesh, PartitionSpec())
-    dt = jnp.dtype(shape.dtype)
-    args = [jax.ShapeDtypeStruct((shape.B, shape.N, shape.D), dt, sharding=rep),
-            jax.ShapeDtypeStruct((shape.V, shape.D), dt, sharding=rep),
-            jax.ShapeDtypeStruct((shape.B, shape.N, shape.L), jnp.int32, sharding=rep)]
-    if with_bias:
-        args.append(jax.ShapeDtypeStruct((shape.V,), dt, sharding=rep))
-    options.setdefault("interpret", False)
-
-    def loss(h, e, t, *maybe_bias):
-        bias = maybe_bias[0] if maybe_bias else None
-        return jnp.sum(recloss.softmax_loss(h, e, t, None, bias, strategy=strategy, **options).loss)
-
-    argnums = (0, 1, 3) if with_bias else (0, 1)
-    with jax.set_mesh(mesh):
-        return jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(*args).compile()
-
-
 @pytest.mark.parametrize("topo", ["v5e-8", pytest.param("v6e-8", marks=pytest.mark.slow),
                                   pytest.param("v5p-8", marks=pytest.mark.slow)])
 def test_cutce_pallas_paper_shape_fits_one_chip(topo):
@@ -187,7 +163,7 @@ def test_cutce_pallas_paper_shape_fits_one_chip(topo):
         print(f"\n{topo}: {mode} tiles bn={t.bn} bs={t.bs} bv={t.bv} chunks={t.num_chunks} "
               f"cores={t.cores} (~{t.vmem_bytes / 2**20:.1f} MiB of {chip.vmem_limit_bytes >> 20} MiB)")
         assert t.num_chunks == 1 and t.cores == (2 if topo == "v5p-8" else 1)
-    compiled = _compile_softmax("cutce_pallas", topo, PAPER)
+    compiled = topology.compile_loss_grad("cutce_pallas", topo, PAPER)
     ma, flops, ideal = _report(f"cutce_pallas {topo} f32 {tuple(PAPER[:4])}", compiled, PAPER)
     assert len(_kernel_names(compiled)) == 2, "expected the loss and the gradient kernels"
     assert ma.temp_size_in_bytes <= 0.1 * GiB
@@ -199,7 +175,7 @@ def test_cutce_pallas_paper_shape_fits_one_chip(topo):
                                   pytest.param("v5p-8", marks=pytest.mark.slow)])
 def test_dense_ce_needs_the_logits(topo):
     try:
-        compiled = _compile_softmax("dense_ce", topo, PAPER)
+        compiled = topology.compile_loss_grad("dense_ce", topo, PAPER)
     except Exception as err:
         print(f"\ndense_ce {topo}: {str(err).splitlines()[0][:200]}")
         assert topology.is_oom(err) and "HBM" in str(err), err
@@ -213,8 +189,8 @@ def test_cutce_pallas_small_odd_shape_all_options():
     # no metrics (no argmax lanes), and reduction='none'.
     shape = topology.Shape(1, 13, 37, 50, L=3, dtype="bfloat16")
     opts = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.5, vocab_size=45)
-    compiled = _compile_softmax("cutce_pallas", "v6e-8", shape, with_bias=True, **opts)
+    compiled = topology.compile_loss_grad("cutce_pallas", "v6e-8", shape, with_bias=True, **opts)
     assert len(_kernel_names(compiled)) == 2
-    compiled = _compile_softmax("cutce_pallas", "v5p-8", shape, with_bias=True, reduction="none",
+    compiled = topology.compile_loss_grad("cutce_pallas", "v5p-8", shape, with_bias=True, reduction="none",
                                 compute_metrics=False, **opts)
     assert len(_kernel_names(compiled)) == 2

@@ -97,7 +97,10 @@ def one_chip_mesh(topology: str):
 
 def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: bool = False,
                       **options):
-    """``jit(value_and_grad(loss, (hidden, table[, bias])))`` compiled for one chip of ``topology``.
+    """``jit(value_and_grad(Σ loss, (hidden, table[, bias])))`` compiled for one chip of ``topology``.
+
+    The strategy's entry point (bce_loss or softmax_loss) is taken from its objective; the sum
+    makes ``reduction='none'`` scalar (and is the loss itself otherwise).
 
     Kernels are compiled for real (``interpret=False``). Raises whatever the
     compiler raises (an HBM out-of-memory is a RESOURCE_EXHAUSTED error).
@@ -121,7 +124,7 @@ def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: 
 
     def loss(h, e, t, *maybe_bias):
         bias = maybe_bias[0] if maybe_bias else None
-        return entry(h, e, t, None, bias, strategy=strategy, **options).loss
+        return jnp.sum(entry(h, e, t, None, bias, strategy=strategy, **options).loss)
 
     argnums = (0, 1, 3) if with_bias else (0, 1)
     with jax.set_mesh(mesh):

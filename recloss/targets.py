@@ -62,8 +62,8 @@ def gather_logits(hidden, table, bias, ids):
     The VJP is our own (`_gather_bwd`): with cotangent g [M, L],
     dhidden[m] = Σ_l g[m,l]·table[ids[m,l]] (the rows gathered again, not saved) and
     dtable = Σ g[m,l]·hidden[m] added at ids[m,l] by `scatter_rows`, chunk by chunk of
-    rows at large M, so compile time does not grow with M (autodiff's one scatter of
-    all M·L rows compiles ~15× slower at M = 16,384 than at 1,024 for TPU).
+    rows at large M, so no one scatter grows with M (autodiff's one scatter of all
+    M·L rows compiles ~15× slower at M = 16,384 than at 1,024 for TPU).
     """
     return _gather(hidden, table, bias, ids)
 
@@ -98,50 +98,47 @@ def _gather_bwd(res, g):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-# Rows per scatter step of `scatter_rows`. One scatter of all M·L updates (or a sort
-# of the ids) compiles in ~20 s for XLA:TPU at M = 16,384, L = 8; a scan of
-# 1,024-row scatters compiles in ~1 s. Up to SCATTER_SCAN_ROWS rows it stays one
-# scatter: XLA folds that into the background's dE buffer (cutbce_pallas: 0.016 GiB
-# of temporaries at 2,048 rows, V = 876,939, D = 256), where the scan's carry is one
-# more f32 [V_local, D] (0.84 GiB there).
+# Rows per scatter of `scatter_rows`. One scatter of all M·L updates (or a sort of
+# the ids) compiles in ~20 s for XLA:TPU at M = 16,384, L = 8; 1,024-row scatters
+# compile in well under a second each. Up to SCATTER_ONE_ROWS rows it is one scatter,
+# above it a chain of SCATTER_ROWS-row scatters, each adding into the previous one's
+# result. Either way the first scatter's operand is zeros in the table's dtype, so XLA
+# rewrites the backward's ``dE_background + dE_correction`` into the scatters applied
+# to the background's dE buffer in place: no second table-sized buffer. (A lax.scan
+# over the chunks, used before, carried one more f32 [V_local, D], 0.42 GiB at
+# V = 876,939, D = 128; libtpu 0.0.50.1 also stopped adding the scan's result into
+# the background's dE in place, so that dE became a temporary too: 1.25 GiB of
+# temporaries for cutbce_pallas at 16,384 rows instead of 0.44.)
 SCATTER_ROWS = 1024
-SCATTER_SCAN_ROWS = 4096
+SCATTER_ONE_ROWS = 4096
+
+
+def _row_chunks(m: int):
+    """The static row slices of the backward: all M rows up to SCATTER_ONE_ROWS, else chunks of
+    SCATTER_ROWS (the last one may be shorter)."""
+    if m <= SCATTER_ONE_ROWS:
+        return [slice(None)]
+    return [slice(i, i + SCATTER_ROWS) for i in range(0, m, SCATTER_ROWS)]
 
 
 def scatter_rows(hidden, g, ids, rows: int, with_bias: bool, dtype=jnp.float32):
-    """(dE [rows, D], db [rows] f32 or None) with dE[v] = Σ_{ids[m,l] = v} g[m,l]·hidden[m].
+    """(dE [rows, D] in ``dtype``, db [rows] f32 or None) with dE[v] = Σ_{ids[m,l] = v} g[m,l]·hidden[m].
 
-    The transpose of `gather_logits` in its table and bias. Above
-    ``SCATTER_SCAN_ROWS`` rows, a `lax.scan` over chunks of ``SCATTER_ROWS``
-    rows, each adding its [chunk·L, D] products into the carried f32 dE (updated
-    in place), so the compiled program does not grow with M; below, one scatter
-    in ``dtype`` (the table's: so XLA can fold it into the background's dE buffer
-    of that dtype, as autodiff's scatter was; an f32 one beside a bf16 dE would be
-    a second [rows, D] buffer).
+    The transpose of `gather_logits` in its table and bias. The products are f32;
+    they are added in ``dtype`` (the table's), so XLA can fold the scatters into
+    the background's dE buffer of that dtype, as autodiff's scatter was (an f32
+    one beside a bf16 dE would be a second [rows, D] buffer). Up to
+    ``SCATTER_ONE_ROWS`` rows this is one scatter; above, one scatter per chunk of
+    ``SCATTER_ROWS`` rows, chained (each adds into the last one's result, in
+    place), so no scatter grows with M and nothing is carried through a loop.
     """
-    m, l = ids.shape
     d = hidden.shape[1]
-    if m <= SCATTER_SCAN_ROWS:
-        upd = (g[:, :, None] * hidden.astype(jnp.float32)[:, None, :]).reshape(m * l, d)
-        flat = ids.reshape(-1).astype(jnp.int32)
-        de = jnp.zeros((rows, d), dtype).at[flat].add(upd.astype(dtype))
-        return de, (jnp.zeros((rows,), jnp.float32).at[flat].add(g.reshape(-1)) if with_bias else None)
-    c = SCATTER_ROWS
-    n = -(-m // c)
-    pad = n * c - m
-    if pad:   # zero cotangents: the padded rows add nothing
-        hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
-        g = jnp.pad(g, ((0, pad), (0, 0)))
-        ids = jnp.pad(ids, ((0, pad), (0, 0)))
-    xs = (hidden.reshape(n, c, d), g.reshape(n, c, l), ids.reshape(n, c * l).astype(jnp.int32))
-
-    def step(acc, x):
-        h_c, g_c, ids_c = x
-        upd = (g_c[:, :, None] * h_c.astype(jnp.float32)[:, None, :]).reshape(c * l, d)
-        de = acc[0].at[ids_c].add(upd)
-        db = acc[1].at[ids_c].add(g_c.reshape(-1)) if with_bias else None
-        return (de, db), None
-
-    init = (jnp.zeros((rows, d), jnp.float32), jnp.zeros((rows,), jnp.float32) if with_bias else None)
-    (de, db), _ = jax.lax.scan(step, init, xs)
+    de = db = None
+    for sl in _row_chunks(ids.shape[0]):
+        h_c, g_c, ids_c = hidden[sl], g[sl], ids[sl]
+        upd = (g_c[:, :, None] * h_c.astype(jnp.float32)[:, None, :]).reshape(-1, d)
+        flat = ids_c.reshape(-1).astype(jnp.int32)
+        de = (jnp.zeros((rows, d), dtype) if de is None else de).at[flat].add(upd.astype(dtype))
+        if with_bias:
+            db = (jnp.zeros((rows,), jnp.float32) if db is None else db).at[flat].add(g_c.reshape(-1))
     return de, db

@@ -84,3 +84,27 @@ def test_gather_logits_equals_the_dense_logits_at_the_ids(with_bias):
                                            None if bias is None else jnp.asarray(bias), jnp.asarray(ids)))
     dense = hidden.astype(np.float64) @ table.astype(np.float64).T + (0.0 if bias is None else bias)
     np.testing.assert_allclose(got, np.take_along_axis(dense, ids, axis=1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one_scatter", "chunks"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gather_logits_vjp_equals_autodiff(chunked, dtype, monkeypatch):
+    # The own VJP (one scatter, or a chain of chunk scatters with a shorter last chunk) against
+    # autodiff of the plain gather, with repeated ids across chunks, in the table's dtype.
+    if chunked:
+        monkeypatch.setattr(targets, "SCATTER_ONE_ROWS", 8)
+        monkeypatch.setattr(targets, "SCATTER_ROWS", 6)
+    rng = np.random.default_rng(5)
+    m, l, v, d = 29, 4, 11, 16
+    hidden = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    table = jnp.asarray(rng.standard_normal((v, d)), dtype)
+    bias = jnp.asarray(rng.standard_normal(v), dtype)
+    ids = jnp.asarray(rng.integers(0, v, size=(m, l)))
+    ct = jnp.asarray(rng.standard_normal((m, l)), jnp.float32)
+    _, vjp = jax.vjp(lambda h, e, b: targets.gather_logits(h, e, b, ids), hidden, table, bias)
+    _, ref = jax.vjp(lambda h, e, b: targets._gather_fwd_value(h, e, b, ids), hidden, table, bias)
+    tol = 1e-5 if dtype == jnp.float32 else 5e-2
+    for got, want in zip(vjp(ct), ref(ct)):
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol * 4)

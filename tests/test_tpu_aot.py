@@ -134,10 +134,11 @@ def test_pallas_other_shapes_v6e(shape, label, chunked):
     compiled = topology.compile_loss_grad("cutbce_pallas", "v6e-8", shape)
     ma, flops, ideal = _report(f"cutbce_pallas v6e-8 {label}", compiled, shape)
     assert len(_kernel_names(compiled)) == t.num_chunks
-    # Above SCATTER_SCAN_ROWS rows the correction's table gradient is a scan of scatters
-    # (fast compiles) whose carry is one more f32 [V, D]; that buffer is allowed, nothing else.
-    carry = shape.V * shape.D * 4 if shape.B * shape.N > targets.SCATTER_SCAN_ROWS else 0
-    assert ma.temp_size_in_bytes <= 0.25 * GiB + carry
+    # Above SCATTER_ONE_ROWS rows the correction's table gradient is a chain of chunk scatters
+    # that XLA applies to the background's dE in place: no table-sized buffer (f32 [V, D] is
+    # 0.42 GiB here, 0.84 at D=256) may be a temporary, at any row count.
+    assert not chunked or shape.B * shape.N > targets.SCATTER_ONE_ROWS   # row_chunks: the chain is measured
+    assert ma.temp_size_in_bytes <= 0.25 * GiB
     assert ideal <= flops <= 1.01 * ideal
 
 

@@ -48,16 +48,20 @@ def bce_loss(hidden, table, targets, weights=None, bias=None, *, strategy: str =
     Keras ``binary_crossentropy(from_logits=True)``.
 
     Args:
-      hidden: [..., D] float32/bfloat16. table: [V, D]. targets: [..., L] int ids
+      hidden: [..., D] float32, bfloat16 or float16 (float64 with ``jax_enable_x64``).
+        table: [V, D], a floating dtype too. targets: [..., L] int ids (int32, or int64 with x64)
         (``pad_id`` = padding; ids outside [0, V) are ignored and counted in
         ``metrics['invalid_targets']``). weights: [...] float or None (= 1).
         bias: [V] or None.
       strategy: a registered name, see `available_strategies()`.
-      layout: a `recloss.MeshLayout` to run sharded under shard_map, or None.
+      layout: a `recloss.MeshLayout` to run sharded under shard_map, or None. Its mesh may have
+        Explicit or Auto axes; inputs placed by the strategy's ``partition_specs`` or not are
+        laid out by it (`recloss.sharding.place_all`).
       **options: `LossOptions` fields.
     Returns:
       LossOutput(loss, metrics): loss is Σ w·ℓ / Σ w ('mean'; 0 when Σ w = 0),
-      Σ w·ℓ ('sum') or w·ℓ with hidden's leading shape ('none'), float32.
+      Σ w·ℓ ('sum') or w·ℓ with hidden's leading shape ('none'), float32 whatever the input
+      dtypes (float32 accumulation inside, also for float64 inputs under ``jax_enable_x64``).
       Gradients come back in the input dtypes.
     """
     return _for("bce", strategy, options)(hidden, table, targets, weights, bias, layout=layout)
@@ -79,22 +83,26 @@ def softmax_loss(hidden, table, targets, weights=None, bias=None, *, strategy: s
     valid target contributes 0 and is left out of the mean's denominator.
 
     Args:
-      hidden: [..., D] float32/bfloat16. table: [V, D]. targets: [..., L] int ids
+      hidden: [..., D] float32, bfloat16 or float16 (float64 with ``jax_enable_x64``).
+        table: [V, D], a floating dtype too. targets: [..., L] int ids (int32, or int64 with x64)
         (``pad_id`` = padding; other ids outside [0, V) are ignored and counted in
         ``metrics['invalid_targets']``). weights: [...] float or None (= 1).
         bias: [V] or None.
       strategy: 'cutce' (blocked, any backend), 'cutce_pallas' (the Mosaic-TPU kernels; CPU
         only in interpret mode), 'dense_ce' (materialises [.., V]).
-      layout: a `recloss.MeshLayout` to run sharded under shard_map, or None.
+      layout: a `recloss.MeshLayout` to run sharded under shard_map, or None. Its mesh may have
+        Explicit or Auto axes; inputs placed by the strategy's ``partition_specs`` or not are
+        laid out by it (`recloss.sharding.place_all`).
       **options: `LossOptions` fields: reduction, label_smoothing, z_loss,
         temperature, pad_id, vocab_size, block_v, block_n, compute_metrics.
     Returns:
       LossOutput(loss, metrics): loss is Σ w·ℓ / Σ w over positions with a target
       ('mean'; 0 when that sum is 0), Σ w·ℓ ('sum') or w·ℓ with hidden's leading
-      shape ('none'), float32. metrics: num_targets, invalid_targets, weight_sum
-      (of positions with a target) and, with compute_metrics, top1 (weighted count
-      of positions whose argmax is a target) and mean_lse (weighted mean Z).
-      Gradients come back in the input dtypes.
+      shape ('none'), float32 whatever the input dtypes (float32 accumulation inside,
+      also for float64 inputs under ``jax_enable_x64``). metrics (float32): num_targets,
+      invalid_targets, weight_sum (of positions with a target) and, with compute_metrics,
+      top1 (weighted count of positions whose argmax is a target) and mean_lse (weighted
+      mean Z). Gradients come back in the input dtypes.
     """
     return _for("softmax", strategy, options)(hidden, table, targets, weights, bias, layout=layout)
 
@@ -130,13 +138,14 @@ def sampled_loss(hidden, table, targets, weights=None, bias=None, *, key=None, s
       log_q: [V] (or [table rows]) float log proposal probabilities, normalised here; −inf = never
         drawn; NaN/+inf are an error (checked when not traced). `log_q_from_counts` builds it.
         No gradient flows into it.
-      layout: a `recloss.MeshLayout` to run sharded, or None.
+      layout: a `recloss.MeshLayout` to run sharded, or None (as `softmax_loss`; the drawn
+        negatives and the proposal are replicated over its mesh).
       **options: `LossOptions` fields: num_negatives, remove_accidental_hits, temperature,
         reduction, pad_id, vocab_size, compute_metrics; in_batch_negatives (sampled_softmax),
         gbce_t (gbce).
     Returns:
-      LossOutput(loss, metrics) as `softmax_loss`; metrics: num_targets, invalid_targets,
-      weight_sum and, with compute_metrics, top1 (weighted count of positions whose best target
+      LossOutput(loss, metrics) as `softmax_loss` (float32 whatever the input dtypes); metrics:
+      num_targets, invalid_targets, weight_sum and, with compute_metrics, top1 (weighted count of positions whose best target
       outscores every live negative, logits x before the logQ correction).
     """
     return _for("sampled", strategy, options)(hidden, table, targets, weights, bias, layout=layout, key=key,

@@ -27,6 +27,12 @@ keeps its [V/(|vocab|·|fsdp|), D] slice and the blocked strategies walk the
 fsdp axis with `recloss.ring` (ppermute of the slices, their dE travelling
 with them), so dE comes back already summed over fsdp and in storage layout;
 only the data-axis psum of shard_map's autodiff remains.
+
+Meshes: with Explicit axes (`jax.make_mesh`'s default in current JAX) an array's sharding is
+part of its type and shard_map requires each input's to equal its in_spec; with Auto axes
+(`jax.sharding.Mesh(devices, names)`) shard_map reshards what it is given. `run` lays out every
+input by its spec first (`place_all`: `jax.sharding.reshard` on Explicit axes, a sharding
+constraint on Auto ones), so both kinds take plain arrays and arrays already placed.
 """
 
 from __future__ import annotations
@@ -237,7 +243,8 @@ def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_
     Args:
       hidden [M, D], table [V, D], bias [V] or None, targets [M, L] global ids,
       w [M] float32 weights; vocab_size: the real V (≤ V; rows past it inert).
-      Arrays not already laid out are placed by the specs of `default_specs`.
+      Every array, the user's (placed or not) and those made here, is laid out by the strategy's
+      `partition_specs` (`place_all`) before shard_map, on Explicit and Auto meshes alike.
       extras: a dict of the strategy's per-call arrays (`recloss.Strategy.prepare`), laid out by
       ``extra_specs`` (a dict of PartitionSpecs) and handed to its `local_loss`; None = none.
     Returns:
@@ -296,4 +303,18 @@ def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_
     # psum transposes to psum, all_gather to psum_scatter.
     fn = _compat.shard_map(local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
                            check_vma=False)
-    return fn(*args)
+    return fn(*place_all(layout, args, in_specs))
+
+
+def place_all(layout: MeshLayout, arrays, specs):
+    """``arrays`` (a pytree) each laid out by its PartitionSpec in ``specs`` (the same tree of
+    specs) on the layout's mesh (`recloss._compat.place`): the user's arrays whether already
+    placed or not, and those the library makes (default weights, drawn negatives, extras).
+
+    On a mesh with Explicit axes shard_map requires every input's type to carry its in_spec;
+    on an Auto mesh this is a sharding constraint, which shard_map would impose anyway.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(arrays)
+    spec_leaves = tree.flatten_up_to(specs)
+    return jax.tree_util.tree_unflatten(tree, [_compat.place(x, layout.mesh, s)
+                                               for x, s in zip(leaves, spec_leaves)])

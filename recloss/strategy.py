@@ -150,7 +150,8 @@ def _validate(hidden, table, targets, weights, bias):
                               (("hidden", hidden), ("table", table), ("targets", targets)))
     for name, x in (("hidden", hidden), ("table", table)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must be a floating array (float32 or bfloat16), got dtype {x.dtype}")
+            raise TypeError(f"{name} must be a floating array (float32, bfloat16, float16, or float64 "
+                            f"with jax_enable_x64), got dtype {x.dtype}")
     if hidden.ndim < 1:
         raise ValueError(f"hidden must have shape [..., D], got a scalar")
     if table.ndim != 2:

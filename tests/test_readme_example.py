@@ -1,7 +1,8 @@
-"""The "Add recloss to your Flax trainer" example runs as printed and trains.
+"""README examples run as printed: "Add recloss to your Flax trainer" trains, "Sharding" equals one device.
 
-The section is read from README.md when it has it, else from docs/flax.md
-(where the text lives until it is pasted into the README).
+The Flax section is read from README.md when it has it, else from docs/flax.md
+(where the text lives until it is pasted into the README). The Sharding
+section's block is executed verbatim on the 8 CPU devices of conftest.
 """
 
 import contextlib
@@ -11,11 +12,12 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADING = "## Add recloss to your Flax trainer"
+SHARDING_HEADING = "## Sharding"
 
 
-def extract_section(text: str):
-    """Text after the heading up to the next '## ' heading, or None without the heading."""
-    m = re.search(r"^" + re.escape(HEADING) + r"[ \t]*$", text, flags=re.MULTILINE)
+def extract_section(text: str, heading: str = HEADING):
+    """Text after ``heading`` up to the next '## ' heading, or None without the heading."""
+    m = re.search(r"^" + re.escape(heading) + r"[ \t]*$", text, flags=re.MULTILINE)
     if m is None:
         return None
     rest = text[m.end():]
@@ -62,3 +64,37 @@ def test_flax_example_runs_and_learns():
     assert recall > 0.5, f"example model did not learn its targets: recall {recall}"
     assert "loss" in out.getvalue()
 
+
+
+def test_sharding_example_runs_and_equals_one_device():
+    """The "## Sharding" block as printed (a jax.make_mesh mesh, plain arrays, a padded table with
+    vocab_size=V): its loss and gradients equal the single-device loss of the same arrays."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import recloss
+
+    path = ROOT / "README.md"
+    section = extract_section(path.read_text(encoding="utf-8"), SHARDING_HEADING)
+    assert section is not None, f"README.md has no {SHARDING_HEADING!r} section"
+    blocks = python_blocks(section)
+    assert blocks, f"no ```python block after {SHARDING_HEADING!r} in {path}"
+    ns = {"__name__": "readme_sharding_example"}
+    exec(compile(blocks[0], f"{path.name}:{SHARDING_HEADING}", "exec"), ns)  # noqa: S102
+    layout, v = ns["layout"], ns["V"]
+    assert ns["table"].shape[0] == recloss.padded_vocab_size(v, layout) >= v
+    assert int(jnp.max(ns["targets"])) < v
+
+    def one_device(hidden, table):
+        return recloss.bce_loss(hidden, table, ns["targets"], ns["weights"], strategy="cutbce",
+                                vocab_size=v).loss
+
+    ref, (ref_dh, ref_de) = jax.jit(jax.value_and_grad(one_device, argnums=(0, 1)))(ns["hidden"], ns["table"])
+    rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+                             / np.linalg.norm(np.asarray(b, np.float64)))
+    assert rel(ns["loss"], ref) <= 1e-5, (float(ns["loss"]), float(ref))
+    assert rel(ns["d_hidden"], ref_dh) <= 1e-4
+    assert rel(ns["d_table"], ref_de) <= 1e-4
+    assert float(np.max(np.abs(np.asarray(ns["d_table"])[v:]))) == 0.0     # padding rows inert
+    assert isinstance(ns["specs"], recloss.Specs)

@@ -41,25 +41,41 @@ class SampledStrategy(Strategy):
         return sampler.draw(key, log_q, k)
 
     def prepare(self, targets, *, rows, vocab_size, key=None, log_q=None, **inputs):
-        """Draws the negatives and gathers the proposal's log q of every candidate and target."""
+        """Draws the negatives; the proposal and, with in-batch negatives, the batch's targets.
+
+        Returns {"neg": [K] int32, "log_q": [V] f32 normalised, and with ``in_batch_negatives``
+        "cand": [M·L] int32 (−1 = not a candidate), "cand_count": f32 scalar}, every one replicated
+        over the mesh (`extra_specs`). The log q of each candidate and target is gathered inside
+        `local_loss` from "log_q", on each shard's own rows: nothing here indexes a sharded array.
+        """
         if inputs:
             raise TypeError(f"strategy {self.name!r} got unexpected argument(s) {sorted(inputs)}; "
                             "it takes key= and log_q=")
         key = sampler.check_key(key)
         lq = jax.lax.stop_gradient(sampler.proposal(log_q, rows=rows, vocab_size=vocab_size))
         neg = self.draw_negatives(key, lq, vocab_size=vocab_size).astype(jnp.int32)
-        gids, gvalid = targets_lib.valid_targets(targets, self.options.pad_id, vocab_size)
-        at = lambda ids: jnp.take(lq, jnp.clip(ids, 0, vocab_size - 1), axis=0)
-        extras = {"neg": neg, "neg_log_q": at(neg), "target_log_q": at(gids)}
+        extras = {"neg": neg, "log_q": lq}
         if self.options.in_batch_negatives:
-            cand = jnp.where(gvalid, gids, -1).reshape(-1)
-            extras.update(cand=cand, cand_log_q=at(cand), cand_count=jnp.sum(gvalid, dtype=jnp.float32))
+            gids, gvalid = targets_lib.valid_targets(targets, self.options.pad_id, vocab_size)
+            extras.update(cand=jnp.where(gvalid, gids, -1).reshape(-1).astype(jnp.int32),
+                          cand_count=jnp.sum(gvalid, dtype=jnp.float32))
         return extras
 
     def extra_specs(self, layout, extras):
-        specs = {name: P() for name in extras}
-        specs["target_log_q"] = layout.batch_spec(2)
-        return specs
+        """Every extra replicated: the same negatives, proposal and in-batch candidates on every shard."""
+        return {name: P() for name in extras}
+
+    @staticmethod
+    def _log_q_at(extras, gids, *, vocab_size):
+        """extras plus the proposal's log q of the negatives, of the targets gids [M, L] (this
+        shard's rows) and of the in-batch candidates: "neg_log_q" [K], "target_log_q" [M, L],
+        "cand_log_q" [C] f32."""
+        lq = extras["log_q"]
+        at = lambda ids: jnp.take(lq, jnp.clip(ids, 0, vocab_size - 1), axis=0)
+        out = dict(extras, neg_log_q=at(extras["neg"]), target_log_q=at(gids))
+        if "cand" in extras:
+            out["cand_log_q"] = at(extras["cand"])
+        return out
 
     def row_weights(self, targets, w, *, vocab_size):
         _, valid = targets_lib.valid_targets(targets, self.options.pad_id, vocab_size)
@@ -74,6 +90,7 @@ class SampledStrategy(Strategy):
         opts = self.options
         inv_t = 1.0 / opts.temperature
         gids, gvalid = targets_lib.valid_targets(targets, opts.pad_id, vocab_size)
+        extras = self._log_q_at(extras, gids, vocab_size=vocab_size)
         k = jnp.sum(gvalid, axis=-1, dtype=jnp.float32)
         ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, table.shape[0], vocab_size)
         xt = reducer.vocab(jnp.where(valid, targets_lib.gather_logits(hidden, table, bias, ids), 0.0)) * inv_t

@@ -56,7 +56,9 @@ def _lse_sweep(a, e, b, vocab_offset, p: Plan):
         m, s = partition.tile_lse(xm, live)
         out = {"m": m, "s": s}
         if argmax:
-            out["id"] = jnp.argmax(xm, axis=-1).astype(jnp.int32) + col0 + vocab_offset
+            # int32 throughout: col0 (a scan index) and vocab_offset are int64 under jax_enable_x64,
+            # and the carry must keep the int32 type of its init.
+            out["id"] = (jnp.argmax(xm, axis=-1) + col0 + vocab_offset).astype(jnp.int32)
         return out, {}
 
     def combine(old, new):

@@ -28,5 +28,5 @@ def dense_lse(hidden, table, bias, *, temperature: float, vocab_offset, vocab_si
     lse = partition.lse_of(m, s)
     aux = None
     if argmax:
-        aux = (m, jnp.argmax(jax.lax.stop_gradient(xm), axis=-1).astype(jnp.int32) + vocab_offset)
+        aux = (m, (jnp.argmax(jax.lax.stop_gradient(xm), axis=-1) + vocab_offset).astype(jnp.int32))
     return lse, aux

@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Tuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import recloss
 
@@ -62,7 +62,14 @@ def mesh_shape(cfg, num_devices: int, num_slices: int = 1):
 
 
 def build_mesh(cfg, devices=None, num_slices: Optional[int] = None) -> Mesh:
-    """A Mesh over ``devices`` (default: all) with axes ``cfg.mesh_axes``."""
+    """A Mesh over ``devices`` (default: all) with axes ``cfg.mesh_axes``, all of them Auto.
+
+    Auto on purpose, whatever JAX's default (`jax.make_mesh` makes Explicit axes in current
+    JAX): the trainer shards by `jit`'s in/out shardings and lets XLA propagate them through
+    the model (MaxText's convention). On Explicit axes every intermediate of the model would
+    carry its sharding in its type, which the model's ops do not annotate. The loss itself
+    takes either kind (`recloss.MeshLayout` lays out its inputs; tests/test_conventions.py).
+    """
     from jax.experimental import mesh_utils
 
     devices = list(jax.devices() if devices is None else devices)
@@ -76,7 +83,8 @@ def build_mesh(cfg, devices=None, num_slices: Optional[int] = None) -> Mesh:
         except (NotImplementedError, ValueError, AssertionError):
             # Device kinds without a physical-topology rule: plain order.
             arr = np.asarray(devices, dtype=object).reshape(ici)
-    return Mesh(arr, tuple(cfg.mesh_axes))
+    names = tuple(cfg.mesh_axes)
+    return Mesh(arr, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def layout_for(mesh: Mesh, fsdp_gather: str = "once") -> recloss.MeshLayout:

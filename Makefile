@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# pytest-xdist workers for both test legs (`auto`: one per core); JOBS=0 runs in one process.
+JOBS   ?= auto
+PYTEST := -m pytest -q -n $(JOBS) --dist loadgroup
 
 # The second test leg: Python 3.12 at the newest jax the resolver gives, with MaxText installed for real
 # (`make test-py312`). A python3.12 on PATH that runs, else pyenv's; `make -s python312` prints it.
@@ -23,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) $(PYTEST) $(PYTEST_ARGS)
 
 python312:
 	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found (python3.12 on PATH, or pyenv's versions/3.12.*)" >&2; exit 1; }
@@ -34,19 +37,33 @@ $(STAMP312): pyproject.toml
 	test -x $(VENV312)/bin/python || $(PYTHON312) -m venv $(VENV312)
 	echo '*' > $(VENV312)/.gitignore
 	$(VENV312)/bin/python -m pip install -q --upgrade pip
-	$(VENV312)/bin/python -m pip install -q -e ".[test,tpu,maxtext]"
+	$(VENV312)/bin/python -m pip install -q -e ".[test,tpu,maxtext,bench]"
 	touch $(STAMP312)
 
 # RECLOSS_REQUIRE_MAXTEXT=1: the MaxText tests fail, rather than skip, when MaxText does not import.
 test-py312: $(STAMP312)
-	$(VENV312)/bin/python -c 'import jax, maxtext, importlib.metadata as m; print("py312 leg: jax", jax.__version__, "maxtext", m.version("maxtext"))'
-	RECLOSS_REQUIRE_MAXTEXT=1 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV312)/bin/python -c 'import jax, maxtext, tokamax, importlib.metadata as m; print("py312 leg:", *(f"{p} {m.version(p)}" for p in ("jax", "libtpu", "maxtext", "tokamax")))'
+	RECLOSS_REQUIRE_MAXTEXT=1 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV312)/bin/python $(PYTEST) $(PYTEST_ARGS)
 
 train: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)/bin/recloss-train configs/base.yml $(TRAIN_ARGS)
 
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)/bin/recloss-bench $(BENCH_ARGS)
+
+# The README's per-chip HBM tables: one record per (jax, libtpu) stack, docs/figures/hbm/jax-<jax>_libtpu-<libtpu>.json,
+# written by `recloss-bench --topology ... --record docs/figures/hbm` on each leg (minutes of v6e compiles each),
+# then rendered into README.md's marked tables. FIGURE_VENVS=.venv312 re-records one leg;
+# tests/test_figures.py checks the README against the records and recompiles a few rows against them.
+.PHONY: figures
+FIGURE_VENVS ?= $(VENV) $(VENV312)
+figures: $(addsuffix /.installed,$(FIGURE_VENVS))
+	for v in $(FIGURE_VENVS); do \
+	  JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $$v/bin/recloss-bench --topology v6e-8 --record docs/figures/hbm && \
+	  JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $$v/bin/recloss-bench --topology v6e-8 --objective softmax --shapes table2 \
+	    --record docs/figures/hbm || exit 1; \
+	done
+	$(PY) -m recloss.bench.figures
 
 # The quality-vs-cost table (README "Sampled objectives"): one recloss-train run per loss on the same
 # data, model, steps and seed. DATA=path/to/log.csv runs it on an interactions file instead of the

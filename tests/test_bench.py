@@ -59,6 +59,22 @@ def test_bad_arguments_name_the_value(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_bad_record_paths_are_named_before_compiling(tmp_path, capsys):
+    """--record DIR: a file, an uncreatable directory, or no --topology fail at once, naming the path."""
+    cases = [
+        (["--record", str(tmp_path)], "--record DIR records the per-chip HBM rows of --topology"),
+        (["--topology", "v6e-8", "--record", str(tmp_path / "hbm.json")],
+         f"--record {tmp_path / 'hbm.json'}: expects a directory (the file name is chosen per stack: "),
+        (["--topology", "v6e-8", "--record", "/proc/no/such/dir"],
+         "--record /proc/no/such/dir: cannot create the directory"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_unknown_strategy_lists_the_known_ones():
     with pytest.raises(ValueError, match="cutbce"):
         cli.main(["--strategies", "cutbse"])

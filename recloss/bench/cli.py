@@ -325,12 +325,19 @@ def main(argv=None):
                         help="with --topology: 'paper' (Table II + Table III shapes), 'table2', 'table3', or "
                              "B,N,D,V[;B,N,D,V...]")
     parser.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    parser.add_argument("--record", default=None, metavar="DIR",
+                        help="with --topology: add the rows to this stack's figures record in DIR, "
+                             "DIR/jax-<jax>_libtpu-<libtpu>.json (a row of the same topology, objective, "
+                             "strategy and shape is replaced); the README's TPU tables are rendered from "
+                             "docs/figures/hbm by `python -m recloss.bench.figures`")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="draw the benchmark as a PNG: per-chip HBM of loss+grad vs V (1e5..1e7) from the "
                              "v6e AOT compile and CPU time per step vs V, dense and blocked strategies of both "
                              "objectives (a few minutes; --quick: seconds, smaller shapes); needs matplotlib: "
                              "pip install 'recloss[plot]'")
     args = parser.parse_args(argv)
+    if args.record is not None and not args.topology:
+        parser.error("--record DIR records the per-chip HBM rows of --topology; add --topology (e.g. v6e-8)")
     if args.plot:
         return _plot(parser, args)
 
@@ -372,16 +379,28 @@ def main(argv=None):
             notes.append("cutce_pallas is not registered in this recloss (recloss.available_strategies()): "
                          "no row")
         shapes = _topology_shapes(parser, args.shapes, topology)
-        rows = []
+        if args.record is not None:
+            from recloss.bench import figures
+            try:
+                record_path = figures.check_record_dir(args.record)   # before minutes of compiles
+            except figures.RecordError as err:
+                parser.error(str(err))
+        rows, counts = [], [0, 0]
         for i, shape in enumerate(shapes):
             _log(f"[bench] {args.topology}: compiling shape {i + 1}/{len(shapes)} {tuple(shape)} ...")
             t0 = time.perf_counter()
-            rows += topology.topology_rows(args.topology, strategies, [shape])
+            shape_rows = topology.topology_rows(args.topology, strategies, [shape])
+            rows += shape_rows
             _log(f"[bench]   done in {time.perf_counter() - t0:.0f}s")
+            if args.record is not None:     # shape by shape: an interrupted recording keeps what it compiled
+                _, replaced, added = figures.record(shape_rows, objective.name, record_path.parent)
+                counts = [counts[0] + added, counts[1] + replaced]
         print(format_topology(args.topology, rows, objective.name, notes))
         payload = dict(topology=args.topology, objective=objective.name, rows=rows, notes=notes)
         if any(is_peer(s) for s in strategies):
             payload["tokamax_version"] = peers.version()
+        if args.record is not None:
+            _log(f"[bench] recorded {len(rows)} rows in {record_path} ({counts[0]} new, {counts[1]} replaced)")
     else:
         strategies, notes = expand_peers(strategies, shape["labels"])
         for note in notes:

@@ -175,10 +175,11 @@ def topology_rows(topology: str, strategies: Iterable[str] = ("dense_bce", "cutb
       shapes: `Shape`s (or (B, N, D, V[, L[, dtype]]) tuples); default `PAPER_SHAPES`.
     Returns:
       one dict per (shape, strategy): topology, strategy, B, N, D, V, L, dtype,
-      hbm_bytes (argument + output + temp, per chip), temp_bytes, flops (XLA's
+      hbm_bytes (argument + output + temp, per chip), temp_bytes, argument_bytes,
+      output_bytes, flops (XLA's
       cost analysis; Pallas kernels report their CostEstimate), ideal_flops
       (6·B·N·V·D, the fused loss+grad), compile_s. When compilation fails the
-      three measured cells hold 'OOM' (out of HBM) or 'error: <message>'.
+      measured cells hold 'OOM' (out of HBM) or 'error: <message>'.
     """
     shapes = PAPER_SHAPES if shapes is None else tuple(Shape(*s) for s in shapes)
     chip_devices(topology)          # fail early, with the topology's name, if it is unknown
@@ -197,12 +198,13 @@ def topology_rows(topology: str, strategies: Iterable[str] = ("dense_bce", "cutb
                     compiled = compile_loss_grad(strategy, topology, shape)
             except Exception as err:   # a failed cell, not a failed table
                 cell = "OOM" if is_oom(err) else f"error: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                row.update(hbm_bytes=cell, temp_bytes=cell, flops=cell)
+                row.update(hbm_bytes=cell, temp_bytes=cell, argument_bytes=cell, output_bytes=cell, flops=cell)
             else:
                 ma = compiled.memory_analysis()
                 row.update(hbm_bytes=int(ma.argument_size_in_bytes + ma.output_size_in_bytes
                                          + ma.temp_size_in_bytes),
-                           temp_bytes=int(ma.temp_size_in_bytes), flops=_flops(compiled))
+                           temp_bytes=int(ma.temp_size_in_bytes), argument_bytes=int(ma.argument_size_in_bytes),
+                           output_bytes=int(ma.output_size_in_bytes), flops=_flops(compiled))
             row["compile_s"] = round(time.perf_counter() - start, 1)
             rows.append(row)
     return rows

@@ -1,0 +1,429 @@
+"""The README's per-chip HBM figures: recorded per software stack, rendered into README.md, guarded.
+
+AOT memory analysis is deterministic for a given libtpu, so each (jax, libtpu) pair gets one
+committed record file, ``docs/figures/hbm/jax-<jax>_libtpu-<libtpu>.json``:
+
+    {"format": 1,
+     "stack": {"python": ..., "jax": ..., "jaxlib": ..., "libtpu": ..., "tokamax": ... or null},
+     "rows": [{"topology": "v6e-8", "objective": "bce", "strategy": "cutbce_pallas",
+               "B": 8, "N": 256, "D": 256, "V": 876939, "L": 8, "dtype": "float32", "options": {},
+               "argument_bytes": ..., "output_bytes": ..., "temp_bytes": ..., "hbm_bytes": ...,
+               "flops": ..., "ideal_flops": ..., "compile_s": ...}, ...]}
+
+(a cell that did not compile holds "OOM" or "error: ..." instead of its bytes and flops).
+
+    recloss-bench --topology v6e-8 --record docs/figures/hbm      # adds/replaces rows of this stack's file
+    python -m recloss.bench.figures                               # renders README.md's marked tables
+    python -m recloss.bench.figures --check                       # exit 1 when README.md differs
+
+A README table is the block between ``<!-- figures:NAME stack=STACK -->`` and
+``<!-- /figures:NAME -->``; `TABLES` says what NAME shows (topology, objective, shapes, the command
+that records it) and STACK names the record file it is rendered from. `tests/test_figures.py`
+checks the README against the files and recompiles `GUARD_ROWS` against this stack's file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+FORMAT = 1
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS_DIR = ROOT / "docs" / "figures" / "hbm"
+README = ROOT / "README.md"
+# Fields that name a row (its key); a later recording of the same key replaces it.
+KEY_FIELDS = ("topology", "objective", "strategy", "B", "N", "D", "V", "L", "dtype", "options")
+MEASURED = ("argument_bytes", "output_bytes", "temp_bytes", "hbm_bytes", "flops")
+# A guarded figure may grow by this fraction of its recorded value before the guard fails.
+TOLERANCE = 0.05
+ENV = "JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1"
+
+
+class RecordError(ValueError):
+    """A record file that is missing, unreadable, or of another stack."""
+
+
+# ----------------------------------------------------------------------------- the stack
+def _dist_version(*names: str) -> Optional[str]:
+    import importlib.metadata as md
+    for name in names:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def current_stack() -> dict:
+    """The versions AOT figures depend on: python, jax, jaxlib, libtpu (None when absent), tokamax."""
+    import platform
+    from recloss.bench import peers
+    return dict(python=platform.python_version(), jax=_dist_version("jax"), jaxlib=_dist_version("jaxlib"),
+                libtpu=_dist_version("libtpu", "libtpu-nightly"), tokamax=peers.version())
+
+
+def stack_id(stack: dict) -> str:
+    """The record file's stem: ``jax-<jax>_libtpu-<libtpu>``."""
+    return f"jax-{stack['jax']}_libtpu-{stack['libtpu'] or 'none'}"
+
+
+def record_file(stack: Optional[dict] = None, records_dir: Optional[Path] = None) -> Path:
+    stack = current_stack() if stack is None else stack
+    return Path(RECORDS_DIR if records_dir is None else records_dir) / f"{stack_id(stack)}.json"
+
+
+# ----------------------------------------------------------------------------- reading and writing
+def row_key(row: dict) -> Tuple:
+    return tuple(json.dumps(row.get(k, {} if k == "options" else None), sort_keys=True) for k in KEY_FIELDS)
+
+
+def load(path: Path) -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RecordError(f"no record file {path}") from None
+    except (OSError, ValueError) as err:
+        raise RecordError(f"cannot read record file {path}: {err}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("rows"), list):
+        raise RecordError(f"{path} is not a recloss figures record (format {FORMAT}: stack + rows)")
+    return data
+
+
+def check_record_dir(path) -> Path:
+    """``path`` as a directory the per-stack file can be written to (created if missing), or
+    RecordError naming it. Called before any compile, so a bad path costs nothing."""
+    path = Path(path)
+    if path.suffix == ".json" or (path.exists() and not path.is_dir()):
+        raise RecordError(f"--record {path}: expects a directory (the file name is chosen per stack: "
+                          f"{path if path.is_dir() else path.parent}/{stack_id(current_stack())}.json)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RecordError(f"--record {path}: cannot create the directory ({err.strerror or err})") from None
+    if not os.access(path, os.W_OK):
+        raise RecordError(f"--record {path}: the directory is not writable")
+    target = record_file(records_dir=path)
+    if target.exists():
+        load(target)        # a corrupt file fails now, not after the compiles
+    return target
+
+
+def dumps(data: dict) -> str:
+    """The record as JSON with one row per line (a re-recording diffs row by row)."""
+    head = {k: v for k, v in data.items() if k != "rows"}
+    body = ",\n".join("  " + json.dumps(r) for r in data["rows"])
+    return json.dumps(head, indent=1)[:-2] + ',\n "rows": [\n' + body + "\n ]\n}\n"
+
+
+def record(rows: Sequence[dict], objective: str, records_dir, stack: Optional[dict] = None) -> Tuple[Path, int, int]:
+    """Merges ``rows`` (of `topology.topology_rows`, computed for ``objective``) into this stack's
+    file under ``records_dir``: a row of the same key is replaced in place, new rows are appended.
+    Returns (path, replaced, added)."""
+    stack = current_stack() if stack is None else stack
+    with _locked(Path(records_dir)):     # two recordings of one stack at once merge, not overwrite
+        return _record(rows, objective, Path(records_dir) / f"{stack_id(stack)}.json", stack)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _record(rows, objective, path: Path, stack: dict):
+    data = load(path) if path.exists() else dict(format=FORMAT, stack=stack, rows=[])
+    old = data.get("stack", {})
+    if (old.get("jax"), old.get("libtpu")) != (stack["jax"], stack["libtpu"]):
+        raise RecordError(f"{path} records jax {old.get('jax')} / libtpu {old.get('libtpu')}, "
+                          f"not this stack (jax {stack['jax']} / libtpu {stack['libtpu']})")
+    data["stack"] = stack           # python, jaxlib, tokamax: as of the latest recording
+    index = {row_key(r): i for i, r in enumerate(data["rows"])}
+    replaced = added = 0
+    for row in rows:
+        row = dict(row, objective=objective, options=row.get("options", {}))
+        first = KEY_FIELDS + MEASURED
+        row = {**{k: row[k] for k in first if k in row}, **{k: v for k, v in row.items() if k not in first}}
+        k = row_key(row)
+        if k in index:
+            data["rows"][index[k]] = row
+            replaced += 1
+        else:
+            index[k] = len(data["rows"])
+            data["rows"].append(row)
+            added += 1
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(dumps(data))
+    os.replace(tmp, path)
+    return path, replaced, added
+
+
+# ----------------------------------------------------------------------------- the README's tables
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """One README table: the rows of ``objective`` on ``topology`` at ``shapes`` (options {})."""
+    topology: str
+    objective: str
+    shapes: str                  # a --shapes value: 'paper', 'table2', 'table3'
+    venv: str                    # the venv whose stack the README shows it for (its command's prefix)
+    comment: str = ""
+
+    @property
+    def argv(self) -> str:
+        obj = "" if self.objective == "bce" else f" --objective {self.objective}"
+        shapes = "" if self.shapes == "paper" else f" --shapes {self.shapes}"
+        return f"--topology {self.topology}{obj}{shapes}"
+
+    def command(self, records_dir: str = "docs/figures/hbm") -> str:
+        return f"{ENV} {self.venv}/bin/recloss-bench {self.argv} --record {records_dir}"
+
+    def shape_list(self):
+        from recloss.bench import topology
+        return dict(paper=topology.PAPER_SHAPES, table2=topology.TABLE_II, table3=topology.TABLE_III)[self.shapes]
+
+
+TABLES: Dict[str, Table] = {
+    "v6e-bce": Table("v6e-8", "bce", "paper", ".venv", comment="also v5e-8, v5p-8"),
+    "v6e-softmax": Table("v6e-8", "softmax", "table2", ".venv312"),
+}
+# The strategies' order within a shape (others follow, by name).
+ORDER = ("dense_bce", "cutbce", "cutbce_pallas", "dense_ce", "cutce", "cutce_pallas",
+         "tokamax:xla", "tokamax:chunked_xla", "tokamax:mosaic_tpu")
+
+
+def table_rows(table: Table, data: dict) -> List[dict]:
+    """The recorded rows of ``table``: shape by shape in its order, strategies in `ORDER`; every
+    strategy recorded at one of its shapes must be recorded at all of them (no half-recorded table)."""
+    out, per_shape = [], []
+    for shape in table.shape_list():
+        found = [r for r in data["rows"] if r.get("topology") == table.topology
+                 and r.get("objective") == table.objective and not r.get("options")
+                 and (r["B"], r["N"], r["D"], r["V"], r.get("dtype", "float32")) ==
+                 (shape.B, shape.N, shape.D, shape.V, shape.dtype)
+                 and (r["L"] == shape.L or r["strategy"].startswith("tokamax:"))]
+        if not found:
+            raise RecordError(f"the record has no {table.objective} row at {tuple(shape)} on {table.topology}: "
+                              f"record it with `{table.command()}`")
+        out += sorted(found, key=lambda r: (ORDER.index(r["strategy"]) if r["strategy"] in ORDER else len(ORDER),
+                                            r["strategy"]))
+        per_shape.append((shape, {r["strategy"] for r in found}))
+    every = set().union(*(names for _, names in per_shape))
+    for shape, names in per_shape:
+        if names != every:
+            raise RecordError(f"the record has {', '.join(sorted(every - names))} at some {table.objective} "
+                              f"shapes on {table.topology} but not at {tuple(shape)}: record the whole table "
+                              f"with `{table.command()}`")
+    return out
+
+
+def render_table(name: str, stack: str, records_dir: Optional[Path] = None) -> str:
+    """The README block of table ``name`` from the record file ``<records_dir>/<stack>.json``
+    (without its marker lines)."""
+    from recloss.bench import cli
+
+    table = TABLES[name]
+    path = Path(RECORDS_DIR if records_dir is None else records_dir) / f"{stack}.json"
+    data = load(path)
+    st = data["stack"]
+    rel = f"docs/figures/hbm/{path.name}"
+    versions = ", ".join(f"{k} {st[k]}" for k in ("python", "jax", "jaxlib", "libtpu", "tokamax") if st.get(k))
+    comment = f"     # {table.comment}" if table.comment else ""
+    lines = [
+        "```sh",
+        f"{table.command()}{comment}",
+        "python -m recloss.bench.figures      # renders this table from the record into README.md",
+        "```",
+        "",
+        f"Recorded in [`{rel}`]({rel}) ({versions}):",
+        "",
+        cli.format_topology(table.topology, table_rows(table, data), table.objective),
+    ]
+    return "\n".join(lines)
+
+
+_BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w.-]+) stack=(?P<stack>[\w.+-]+) -->\n)(?P<body>.*?)"
+                    r"(?P<end>\n<!-- /figures:(?P=name) -->)", re.S)
+
+
+def render_readme(text: str, records_dir: Optional[Path] = None, stacks: Optional[Dict[str, str]] = None) -> str:
+    """``text`` with every marked block re-rendered (``stacks``: {name: stack} overrides the markers')."""
+    stacks = dict(stacks or {})
+    seen = set()
+
+    def sub(m):
+        name = m.group("name")
+        if name not in TABLES:
+            raise RecordError(f"README block figures:{name} names no table (known: {', '.join(TABLES)})")
+        seen.add(name)
+        stack = stacks.get(name, m.group("stack"))
+        return (f"<!-- figures:{name} stack={stack} -->\n" + render_table(name, stack, records_dir)
+                + m.group("end"))
+
+    out = _BLOCK.sub(sub, text)
+    unknown = set(stacks) - seen
+    if unknown:
+        raise RecordError(f"README has no figures block {', '.join(sorted(unknown))}")
+    return out
+
+
+# ----------------------------------------------------------------------------- the guard
+@dataclasses.dataclass(frozen=True)
+class Guarded:
+    """A row the guard recompiles: (topology, strategy, B, N, D, V) at L=8, float32, options {}."""
+    topology: str
+    strategy: str
+    B: int
+    N: int
+    D: int
+    V: int
+    why: str
+
+    @property
+    def objective(self) -> str:
+        import recloss
+        return "softmax" if self.strategy.startswith("tokamax:") else recloss.get_strategy(self.strategy).objective
+
+    def key(self) -> Tuple:
+        return row_key(dict(topology=self.topology, objective=self.objective, strategy=self.strategy, B=self.B,
+                            N=self.N, D=self.D, V=self.V, L=8, dtype="float32", options={}))
+
+
+GUARD_ROWS = (
+    Guarded("v6e-8", "cutbce_pallas", 8, 256, 256, 876_939, "the paper's Table III loss on one v6e chip"),
+    Guarded("v6e-8", "cutbce_pallas", 128, 128, 128, 876_939,
+            "16,384 rows: the correction gradient's row-chunked scan (its f32 [V, D] carry)"),
+    Guarded("v6e-8", "cutbce", 32, 128, 128, 876_939, "the pure-JAX sweep and its emitted dE blocks"),
+    Guarded("v6e-8", "cutce_pallas", 128, 128, 128, 876_939, "the softmax kernels at 16,384 rows"),
+)
+
+
+def _this_venv() -> str:
+    prefix = Path(sys.prefix).resolve()
+    try:
+        return str(prefix.relative_to(ROOT))
+    except ValueError:
+        return str(prefix)
+
+
+def recording_commands(rows=GUARD_ROWS) -> List[str]:
+    """The commands, on this venv, that record ``rows`` (those of the README tables they belong to)."""
+    cmds = []
+    for t in TABLES.values():
+        if any(g.topology == t.topology and g.objective == t.objective for g in rows):
+            cmds.append(f"{ENV} {_this_venv()}/bin/recloss-bench {t.argv} --record docs/figures/hbm")
+    return cmds
+
+
+def guarded_records(stack: Optional[dict] = None, records_dir: Optional[Path] = None) -> Dict[Guarded, dict]:
+    """The stored row of each `GUARD_ROWS` entry for ``stack`` (default: this one), or RecordError
+    saying which command records them."""
+    stack = current_stack() if stack is None else stack
+    path = record_file(stack, records_dir)
+    how = ("record it on this venv: " + "; ".join(recording_commands())
+           + " (`make figures` records both legs), and commit the file")
+    if not path.exists():
+        raise RecordError(f"no per-chip HBM record for this stack (jax {stack['jax']}, libtpu "
+                          f"{stack['libtpu']}): {path} does not exist; {how}")
+    data = load(path)
+    by_key = {row_key(r): r for r in data["rows"]}
+    missing = [g for g in GUARD_ROWS if g.key() not in by_key]
+    if missing:
+        raise RecordError(f"{path} has no row for " + ", ".join(
+            f"{g.strategy} {(g.B, g.N, g.D, g.V)} on {g.topology}" for g in missing) + f"; {how}")
+    return {g: by_key[g.key()] for g in GUARD_ROWS}
+
+
+def compile_guarded(rows=GUARD_ROWS) -> Dict[Guarded, dict]:
+    """Recompiles each guarded row, as `recloss-bench --topology` does."""
+    from recloss.bench import topology
+    out = {}
+    for g in rows:
+        (row,) = topology.topology_rows(g.topology, [g.strategy], [topology.Shape(g.B, g.N, g.D, g.V)])
+        out[g] = row
+    return out
+
+
+def compare(measured: Dict[Guarded, dict], stored: Dict[Guarded, dict],
+            tolerance: float = TOLERANCE) -> Tuple[List[str], List[str]]:
+    """(report lines, failures): a failure where temp or total HBM is more than ``tolerance`` above
+    the stored figure, or a stored figure compiled and the new one does not."""
+    lines, failures = [], []
+    mib = lambda x: f"{x / 2**20:,.1f} MiB" if isinstance(x, (int, float)) else str(x)
+    for g, new in measured.items():
+        old = stored[g]
+        for field, label in (("temp_bytes", "temp"), ("hbm_bytes", "total")):
+            a, b = old[field], new[field]
+            where = f"{g.strategy} {(g.B, g.N, g.D, g.V)} on {g.topology} {label}"
+            if not isinstance(a, (int, float)):
+                line = f"{where}: stored {a}, now {mib(b)}"
+                bad = False
+            elif not isinstance(b, (int, float)):
+                line = f"{where}: stored {mib(a)}, now {b}"
+                bad = True
+            else:
+                ratio = b / a if a else (1.0 if b == 0 else float("inf"))
+                line = f"{where}: stored {mib(a)}, now {mib(b)} ({ratio:.3f}x)"
+                bad = b > a * (1 + tolerance)
+            lines.append(("FAIL " if bad else "ok   ") + line)
+            if bad:
+                failures.append(line + f" > {1 + tolerance:.2f}x the stored figure")
+    return lines, failures
+
+
+# ----------------------------------------------------------------------------- command line
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recloss.bench.figures", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true",
+                        help="do not write: exit 1 when README.md is not what the records render")
+    parser.add_argument("--readme", default=str(README), help="the README to render (default: %(default)s)")
+    parser.add_argument("--records", default=str(RECORDS_DIR), help="the record files (default: %(default)s)")
+    parser.add_argument("--stack", action="append", default=[], metavar="NAME=STACK",
+                        help="render block NAME from record STACK (e.g. v6e-softmax=jax-0.12.0.1_libtpu-0.0.50.1) "
+                             "instead of the stack its marker names; repeatable")
+    args = parser.parse_args(argv)
+    stacks = {}
+    for item in args.stack:
+        name, sep, stack = item.partition("=")
+        if not sep or name not in TABLES or not stack:
+            parser.error(f"--stack {item!r} is not NAME=STACK with NAME one of {', '.join(TABLES)}")
+        stacks[name] = stack
+    readme = Path(args.readme)
+    try:
+        text = readme.read_text()
+    except OSError as err:
+        parser.error(f"--readme {readme}: {err.strerror or err}")
+    try:
+        new = render_readme(text, Path(args.records), stacks)
+    except RecordError as err:
+        print(f"figures: {err}", file=sys.stderr)
+        return 2
+    if new == text:
+        print(f"figures: {readme} is up to date", file=sys.stderr)
+        return 0
+    if args.check:
+        import difflib
+        sys.stderr.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
+                                                   str(readme), "rendered from the records", n=1))
+        print(f"figures: {readme} differs from its records: run python -m recloss.bench.figures",
+              file=sys.stderr)
+        return 1
+    readme.write_text(new)
+    print(f"figures: rendered {readme}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

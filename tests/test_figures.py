@@ -1,0 +1,189 @@
+"""The README's per-chip HBM figures: rendered from the committed records, and guarded on this stack.
+
+docs/figures/hbm/jax-<jax>_libtpu-<libtpu>.json holds the rows `recloss-bench --topology ...
+--record docs/figures/hbm` compiled on one (jax, libtpu) pair (`make figures` records both legs).
+The README's marked tables must be what `python -m recloss.bench.figures` renders from them, and
+the guard recompiles a few rows on the running stack and fails when temp or total HBM is more than
+5 % above the stored figure (AOT memory analysis is deterministic for a given libtpu).
+"""
+
+import importlib.util
+import json
+import time
+
+import pytest
+
+from recloss.bench import cli, figures
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not importable (pip install 'jax[tpu]'): no TPU AOT compiler")
+STACK = dict(python="3.11.0", jax="9.9.9", jaxlib="9.9.9", libtpu="0.0.1", tokamax=None)
+
+
+def _row(strategy="cutbce_pallas", V=1000, temp=100, **kw):
+    return dict(topology="v6e-8", strategy=strategy, B=2, N=8, D=128, V=V, L=8, dtype="float32",
+                ideal_flops=6 * 2 * 8 * 128 * V, hbm_bytes=1000 + temp if isinstance(temp, int) else temp,
+                temp_bytes=temp, argument_bytes=600, output_bytes=400, flops=1.0, compile_s=1.0, **kw)
+
+
+# ----------------------------------------------------------------------------- no compile
+def test_readme_tables_are_rendered_from_the_records():
+    text = figures.README.read_text()
+    names = [b[1] for b in figures._BLOCK.findall(text)]
+    assert set(names) <= set(figures.TABLES) and len(names) == len(set(names)), names
+    assert "v6e-bce" in names, "README.md's v6e BCE table is a rendered block"
+    rendered = figures.render_readme(text)
+    assert rendered == text, ("README.md's per-chip HBM tables differ from docs/figures/hbm: "
+                              "run `python -m recloss.bench.figures` (and commit README.md)")
+
+
+def test_record_merges_by_row_key(tmp_path):
+    path, replaced, added = figures.record([_row(), _row(V=2000)], "bce", tmp_path, STACK)
+    assert path == tmp_path / "jax-9.9.9_libtpu-0.0.1.json" and (replaced, added) == (0, 2)
+    path, replaced, added = figures.record([_row(V=2000, temp=7), _row(V=3000)], "bce", tmp_path,
+                                           dict(STACK, python="3.11.9"))
+    assert (replaced, added) == (1, 1)
+    data = figures.load(path)
+    assert [(r["V"], r["temp_bytes"]) for r in data["rows"]] == [(1000, 100), (2000, 7), (3000, 100)]
+    assert data["stack"]["python"] == "3.11.9" and data["rows"][0]["objective"] == "bce"
+    assert json.loads(path.read_text()) == data     # one row per line, still plain JSON
+    # Another objective (or options) is another row.
+    figures.record([_row(strategy="cutbce_pallas")], "softmax", tmp_path, STACK)
+    assert len(figures.load(path)["rows"]) == 4
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / path.name).write_text(path.read_text().replace('"jax": "9.9.9"', '"jax": "1.0"'))
+    with pytest.raises(figures.RecordError, match="records jax 1.0 / libtpu 0.0.1, not this stack"):
+        figures.record([_row()], "bce", other, STACK)
+
+
+def test_a_half_recorded_table_does_not_render(tmp_path):
+    from recloss.bench import topology
+
+    rows = [dict(_row(), B=sh.B, N=sh.N, D=sh.D, V=sh.V) for sh in topology.PAPER_SHAPES]
+    path, _, _ = figures.record(rows, "bce", tmp_path, STACK)
+    text = figures.render_table("v6e-bce", path.stem, tmp_path)
+    assert text.count("| cutbce_pallas |") == len(topology.PAPER_SHAPES) and "python 3.11.0, jax 9.9.9" in text
+    figures.record([dict(rows[0], strategy="cutbce")], "bce", tmp_path, STACK)
+    with pytest.raises(figures.RecordError, match=r"has cutbce at some bce shapes on v6e-8 but not at \(32, 128,"):
+        figures.render_table("v6e-bce", path.stem, tmp_path)
+
+
+def test_record_dir_errors_name_the_path(tmp_path):
+    with pytest.raises(figures.RecordError, match=r"--record .*x\.json: expects a directory"):
+        figures.check_record_dir(tmp_path / "x.json")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(figures.RecordError, match=r"--record .*file: expects a directory"):
+        figures.check_record_dir(tmp_path / "file")
+    bad = figures.record_file(records_dir=tmp_path)
+    bad.write_text("{not json")
+    with pytest.raises(figures.RecordError, match=f"cannot read record file {bad}"):
+        figures.check_record_dir(tmp_path)
+    assert figures.check_record_dir(tmp_path / "new" / "dir") == figures.record_file(
+        records_dir=tmp_path / "new" / "dir")
+
+
+def test_a_stack_without_a_record_fails_with_the_recording_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(figures, "RECORDS_DIR", tmp_path)
+    with pytest.raises(figures.RecordError) as err:
+        figures.guarded_records()
+    text = str(err.value)
+    assert "no per-chip HBM record for this stack" in text and figures.stack_id(figures.current_stack()) in text
+    assert "recloss-bench --topology v6e-8 --record docs/figures/hbm" in text
+    assert "recloss-bench --topology v6e-8 --objective softmax --shapes table2 --record docs/figures/hbm" in text
+    figures.record([_row()], "bce", tmp_path)       # a file without the guarded rows
+    with pytest.raises(figures.RecordError, match="has no row for cutbce_pallas"):
+        figures.guarded_records()
+
+
+def test_compare_fails_above_the_tolerance_only():
+    g = figures.GUARD_ROWS[0]
+    stored = {g: _row(temp=1000)}
+    assert not figures.compare({g: _row(temp=1040)}, stored)[1]          # +4 % temp
+    lines, failures = figures.compare({g: _row(temp=1060)}, stored)      # +6 % temp, +3 % total
+    assert len(failures) == 1 and "temp: stored" in failures[0] and "(1.060x)" in failures[0], lines
+    lines, failures = figures.compare({g: _row(temp="OOM")}, stored)
+    assert len(failures) == 2 and "now OOM" in failures[0]
+    assert not figures.compare({g: _row(temp=10)}, stored)[1]            # better is fine
+
+
+def test_render_check_mode(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text(figures.README.read_text())
+    assert figures.main(["--check", "--readme", str(readme)]) == 0
+    name = next(iter(figures.TABLES))
+    text = readme.read_text()
+    head = text.index(f"<!-- figures:{name} ")
+    row = text.index("| cutbce_pallas |", head)
+    readme.write_text(text[:row] + "| cutbce_pallas | edited by hand |" + text[text.index("\n", row):])
+    assert figures.main(["--check", "--readme", str(readme)]) == 1
+    assert "differs from its records" in capsys.readouterr().err
+    assert figures.main(["--readme", str(readme)]) == 0 and readme.read_text() == text
+    assert figures.main(["--check", "--readme", str(readme), "--records", str(tmp_path)]) == 2
+    assert "no record file" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the guard (compiles)
+@pytest.fixture(scope="module")
+def measured():
+    try:
+        figures.guarded_records()       # this stack's record first: no compiles when it is missing
+    except figures.RecordError as err:
+        pytest.fail(str(err), pytrace=False)
+    t0 = time.perf_counter()
+    rows = figures.compile_guarded()
+    print(f"\n[guard] compiled {len(rows)} rows in {time.perf_counter() - t0:.1f}s")
+    return rows
+
+
+def _guard(measured):
+    stored = figures.guarded_records()
+    lines, failures = figures.compare(measured, stored)
+    print(f"\n[guard] {figures.record_file()}\n" + "\n".join(lines))
+    return failures
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.xdist_group("figures_guard")     # one worker compiles the guarded rows once
+@needs_libtpu
+def test_guarded_figures_are_not_worse_than_recorded(measured):
+    failures = _guard(measured)
+    assert not failures, ("per-chip HBM grew more than 5 % over docs/figures/hbm on this stack:\n"
+                          + "\n".join(failures) + "\nif intended, re-record (`make figures`) and commit")
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.xdist_group("figures_guard")
+@needs_libtpu
+def test_guard_fails_on_a_record_10_percent_smaller(measured, tmp_path, monkeypatch):
+    """The guard against a copy of this stack's record with every guarded figure 10 % smaller."""
+    src = figures.record_file()
+    data = figures.load(src)
+    keys = {g.key() for g in figures.GUARD_ROWS}
+    for row in data["rows"]:
+        if figures.row_key(row) in keys:
+            for field in ("temp_bytes", "hbm_bytes"):
+                row[field] = int(row[field] * 0.9)
+    (tmp_path / src.name).write_text(figures.dumps(data))
+    monkeypatch.setattr(figures, "RECORDS_DIR", tmp_path)
+    failures = _guard(measured)
+    print("\n".join(failures))
+    # temp and total of every guarded row (a temp of 0 bytes stays 0: only its total can fail)
+    want = sum(1 + (figures.guarded_records()[g]["temp_bytes"] > 0) for g in figures.GUARD_ROWS)
+    assert len(failures) == want and all("(1.11" in f for f in failures), failures
+
+
+@pytest.mark.tpu_aot
+@needs_libtpu
+def test_bench_record_writes_this_stacks_file(tmp_path, capsys):
+    argv = ["--topology", "v6e-8", "--strategies", "cutbce_pallas", "--shapes", "2,8,128,1000",
+            "--record", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert cli.main(argv[:-3] + ["2,8,128,1000;2,8,128,3000", "--record", str(tmp_path)]) == 0
+    data = figures.load(figures.record_file(records_dir=tmp_path))
+    assert data["stack"] == figures.current_stack()
+    rows = data["rows"]
+    assert [(r["strategy"], r["V"]) for r in rows] == [("cutbce_pallas", 1000), ("cutbce_pallas", 3000)]
+    for r in rows:
+        assert r["hbm_bytes"] == r["argument_bytes"] + r["output_bytes"] + r["temp_bytes"]
+        assert r["objective"] == "bce" and r["options"] == {}

@@ -1,18 +1,21 @@
-"""One process of the two-process sharded-loss check (launched by tests/test_multiprocess.py).
+"""The processes the multi-process tests launch (tests/conftest.py `two_process_run`, and
+tests/test_multiprocess.py's kill -9 run).
 
-    python tests/_multiprocess_worker.py --process-id 0 --port 12345 --seed 7 --out result.npz
+    python launch/local.py -n 2 -d 4 --exec -- python tests/_multiprocess_worker.py two-process SPEC.json
+    python tests/_multiprocess_worker.py grain-train OUT [--kill-at STEP] CONFIG key=value ...
 
-Each process owns 4 CPU devices (XLA_FLAGS set by the launcher); together they
-form one global (data, fsdp, vocab) = (2, 2, 2) mesh. Every process builds the
-same global inputs from the seed, keeps only its addressable shards, runs the
-jitted loss + gradients and process 0 writes the gathered results; then the same
-with MeshLayout(fsdp_gather='ring') on a mesh whose fsdp axis crosses the processes
-(results prefixed ``ring_``).
+``two-process``: one of the two processes of the shared run, which does in turn what each test
+of the 2-process scenarios asserts on (one launch and one jax.distributed start-up for them all):
+  1. recloss-train's command line (`train.main`) on synthetic data (tests/test_launch.py);
+  2. the sharded loss: each process owns 4 CPU devices and together they form one global
+     (data, fsdp, vocab) = (2, 2, 2) mesh; every process builds the same global inputs from the
+     seed, keeps only its addressable shards, runs the jitted loss + gradients and process 0
+     writes the gathered results; then the same with MeshLayout(fsdp_gather='ring') on a mesh
+     whose fsdp axis crosses the processes (results prefixed ``ring_``) (tests/test_multiprocess.py);
+  3. a recloss-train run on the Grain pipeline (`grain_train`) (tests/test_multiprocess.py).
 """
 
 from __future__ import annotations
-
-import argparse
 
 import numpy as np
 
@@ -52,7 +55,7 @@ def loss_and_grads(inputs, layout):
         inputs["hidden"], inputs["table"], inputs["bias"], inputs["targets"], inputs["weights"])
 
 
-def grain_train(argv):
+def grain_train(argv, initialize=True):
     """``grain-train OUT [--kill-at STEP] CONFIG key=value ...``: one process of a recloss-train run on
     the Grain pipeline (started by launch/local.py --exec, or alone). Writes OUT/opened_p<i>.json (the
     shard files this process opened) and, from process 0, OUT/params.npz (the final parameters,
@@ -75,7 +78,8 @@ def grain_train(argv):
     if argv[0] == "--kill-at":
         kill_at = int(argv[1])
         argv = argv[2:]
-    distributed.initialize_from_env()
+    if initialize:
+        distributed.initialize_from_env()
     me = jax.process_index()
     opened = []
     real_open = shards.open_shard
@@ -105,30 +109,92 @@ def grain_train(argv):
         (out / "evals.json").write_text(json.dumps({"evals": res.evals, "losses": res.losses}))
 
 
-def main():
-    import sys
-    if len(sys.argv) > 1 and sys.argv[1] == "grain-train":
-        return grain_train(sys.argv[2:])
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--process-id", type=int, required=True)
-    parser.add_argument("--num-processes", type=int, default=2)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+# ----------------------------------------------------------------------------- the shared 2-process run
+TIMEOUT_S = 600          # the whole two-process run (all three parts), and the kill -9 run
+# The Grain scenarios (tests/test_multiprocess.py): a (2, 2, 2) mesh, 6 steps, checkpoints every 2.
+GRAIN_TINY = ["num_labels=4", "max_seq_len=8", "global_batch_size=16", "emb_dim=16", "num_layers=1",
+              "num_heads=2", "mlp_dim=32", "dropout=0.1", "learning_rate=3e-2", "warmup_steps=1",
+              "eval_batch_size=64", "eval_block_v=80", "log_period=1", "steps=6", "checkpoint_period=2",
+              "enable_tensorboard=false", "ici_fsdp_parallelism=2", "ici_vocab_parallelism=2",
+              "min_user_interactions=15", "prepare_num_shards=8", "prepare_num_buckets=4"]
+# recloss-train's command line on synthetic data (tests/test_launch.py): a (2, 2, 2) mesh too, so
+# with 2 processes the table and batch span both.
+SYNTHETIC_TINY = ["synthetic_num_users=48", "synthetic_num_items=127", "synthetic_min_len=20",
+                  "synthetic_max_len=30", "synthetic_num_intents=4", "synthetic_intents_per_user=2",
+                  "num_labels=4", "max_seq_len=8", "global_batch_size=16", "emb_dim=16", "num_layers=1",
+                  "num_heads=2", "mlp_dim=32", "dropout=0.1", "learning_rate=3e-2", "warmup_steps=1",
+                  "eval_batch_size=32", "eval_block_v=48", "log_period=1", "steps=5", "enable_tensorboard=false",
+                  "ici_fsdp_parallelism=2", "ici_vocab_parallelism=2"]
 
+
+def grain_args(root):
+    """The config arguments of the Grain scenarios on the log prepared under ``root`` (no output directory)."""
+    from recloss_plugins.config import default_config_path
+    return [str(default_config_path()), "dataset_type=interactions", f"dataset_path={root / 'log.parquet'}",
+            f"prepared_data_path={root / 'prep'}", *GRAIN_TINY]
+
+
+def prepare_grain_log(root, seed: int):
+    """A 4,000-event Parquet log drawn from ``seed`` under ``root``, prepared into 8 shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recloss_plugins.config import load_config
+    from recloss_plugins.sasrec.data import prepare
+
+    rng = np.random.default_rng(seed)
+    n = 4000
+    t = pa.table({"uid": rng.integers(0, 100, n), "item_id": rng.integers(0, 150, n) * 13,
+                  "timestamp": rng.integers(0, 10**9, n)})
+    pq.write_table(t, root / "log.parquet", row_group_size=900)
+    prepare.prepare(load_config(grain_args(root)), log=lambda *a: None)
+
+
+def launch_two_process(root, seed: int) -> dict:
+    """Prepares the Grain log and runs ``two-process`` as 2 processes x 4 devices (launch/local.py);
+    everything lands under ``root``. Returns seed, returncode, stdout, stderr, wall seconds."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from recloss_plugins.config import default_config_path
+
+    root = Path(root)
+    here = Path(__file__).resolve()
+    prepare_grain_log(root, seed)
+    spec = {"out": str(root), "seed": seed,
+            "cli_args": [str(default_config_path()), *SYNTHETIC_TINY, f"base_output_directory={root / 'cli'}",
+                         "run_name=p2"],
+            "grain_args": [*grain_args(root), f"base_output_directory={root / 'runs'}", "run_name=two",
+                           "checkpoint_period=6"]}
+    (root / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, str(here.parents[1] / "launch" / "local.py"), "-n", "2", "-d", "4", "--timeout",
+           str(TIMEOUT_S), "--exec", "--", sys.executable, str(here), "two-process", str(root / "spec.json")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S + 60, env=env, cwd=root)
+        code, out, err = res.returncode, res.stdout, res.stderr
+    except subprocess.TimeoutExpired as e:
+        code, out, err = -1, (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else \
+            (e.stdout or ""), f"timed out after {TIMEOUT_S + 60}s"
+    return {"seed": seed, "returncode": code, "stdout": out, "stderr": err, "seconds": time.monotonic() - t0}
+
+
+def sharded_loss(seed: int, out):
+    """Step 2 of ``two-process`` (jax.distributed already started): writes ``out`` (.npz) from process 0."""
     import jax
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
-                               num_processes=args.num_processes, process_id=args.process_id,
-                               initialization_timeout=60)
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding
 
     import recloss
 
-    assert jax.process_count() == args.num_processes, jax.process_count()
+    assert jax.process_count() == 2, jax.process_count()
     assert jax.local_device_count() == 4 and jax.device_count() == 8, jax.devices()
-    host = make_inputs(args.seed)
+    host = make_inputs(seed)
     results = {}
     # 'once' on (data, fsdp, vocab); 'ring' with fsdp as the leading mesh axis, so the
     # ring's ppermutes cross the process boundary (each process holds one fsdp index).
@@ -146,9 +212,39 @@ def main():
         hidden_g, table_g, bias_g = gathered.pop("grads")
         results.update({prefix + k: np.asarray(v) for k, v in dict(
             grad_hidden=hidden_g, grad_table=table_g, grad_bias=bias_g, **gathered).items()})
-    if args.process_id == 0:
-        np.savez(args.out, **results)
-    jax.distributed.shutdown()
+    if jax.process_index() == 0:
+        np.savez(out, **results)
+
+
+def two_process(spec_path):
+    """``two-process SPEC.json``: SPEC holds out (a directory), seed, cli_args and grain_args."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from recloss_plugins.sasrec import train
+
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    print("== recloss-train command line", flush=True)
+    rc = train.main(spec["cli_args"])           # starts jax.distributed from local.py's environment
+    if rc:
+        sys.exit(rc)
+    import jax
+    print(f"== sharded loss (process {jax.process_index()} of {jax.process_count()})", flush=True)
+    sharded_loss(spec["seed"], out / "result.npz")
+    print("== grain-train", flush=True)
+    (out / "grain").mkdir(exist_ok=True)
+    grain_train([str(out / "grain"), *spec["grain_args"]], initialize=False)
+
+
+def main():
+    import sys
+    if len(sys.argv) > 1 and sys.argv[1] == "grain-train":
+        return grain_train(sys.argv[2:])
+    if len(sys.argv) == 3 and sys.argv[1] == "two-process":
+        return two_process(sys.argv[2])
+    sys.exit(f"usage: {sys.argv[0]} two-process SPEC.json | grain-train OUT [--kill-at STEP] CONFIG key=value ...")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ N, L, SHARDS = 6, 3, 4
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
+def prepared(tmp_path_factory, fresh_seed):
     tmp = tmp_path_factory.mktemp("grain")
-    rng = np.random.default_rng(int.from_bytes(__import__("os").urandom(4), "little"))
+    rng = np.random.default_rng(fresh_seed("prepared"))
     n = 3000
     users = (rng.random(n) ** 1.5 * 90).astype(np.int64)
     t = pa.table({"uid": users, "item_id": rng.integers(500, 700, n), "timestamp": rng.integers(0, 10**6, n)})

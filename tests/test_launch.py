@@ -438,8 +438,16 @@ def test_local_timeout_and_interrupt_stop_every_process(tmp_path):
     marker = tmp_path / "pids"
     child = (f"import os, time; open({str(marker)!r}, 'a').write(f'{{os.getpid()}}\\n'); "
              "print('ready', flush=True); time.sleep(300)")
-    proc = subprocess.Popen([sys.executable, str(LOCAL_PY), "-n", "2", "-d", "1", "--grace", "2", "--exec", "--",
-                             sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A pytest started in the background (`pytest &`) runs with SIGINT ignored, which a child inherits
+    # (and Python then installs no Ctrl-C handler): handled here while the launcher starts, it is the
+    # default again in the launcher (exec resets handled signals, not ignored ones).
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, str(LOCAL_PY), "-n", "2", "-d", "1", "--grace", "2", "--exec",
+                                 "--", sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    finally:
+        signal.signal(signal.SIGINT, saved)
     deadline = time.monotonic() + 60
     while (not marker.exists() or len(marker.read_text().split()) < 2) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -467,34 +475,36 @@ def test_local_rejects_bad_counts():
         assert res.returncode == 2 and message in res.stderr, res.stderr
 
 
-TINY = ["synthetic_num_users=48", "synthetic_num_items=127", "synthetic_min_len=20", "synthetic_max_len=30",
-        "synthetic_num_intents=4", "synthetic_intents_per_user=2", "num_labels=4", "max_seq_len=8",
-        "global_batch_size=16", "emb_dim=16", "num_layers=1", "num_heads=2", "mlp_dim=32", "dropout=0.1",
-        "learning_rate=3e-2", "warmup_steps=1", "eval_batch_size=32", "eval_block_v=48", "log_period=1",
-        "steps=5", "enable_tensorboard=false",
-        # A (data, fsdp, vocab) = (2, 2, 2) mesh: with 2 processes the table and batch span both.
-        "ici_fsdp_parallelism=2", "ici_vocab_parallelism=2"]
-
-
 @pytest.mark.slow
-def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
+def test_two_processes_of_four_devices_train_like_one_of_eight(two_process_run, tmp_path, capsys):
+    # 2 x 4: the command-line part of the shared run (tests/conftest.py `two_process_run`: launch/local.py
+    # -n 2 -d 4, recloss-train on SYNTHETIC_TINY's (2, 2, 2) mesh); 1 x 8: the same command line here.
+    from _multiprocess_worker import SYNTHETIC_TINY
+    from recloss_plugins.config import default_config_path
+    from recloss_plugins.sasrec.train import main
+
+    two_process_run.check()
+    assert main([str(default_config_path()), *SYNTHETIC_TINY, f"base_output_directory={tmp_path}",
+                 "run_name=p1"]) == 0
+    outputs = {2: (two_process_run.stdout, two_process_run.dir / "cli" / "p2"),
+               1: (capsys.readouterr().out, tmp_path / "p1")}
     runs = {}
-    for n, d in ((2, 4), (1, 8)):
-        res = _local("-n", str(n), "-d", str(d), "--timeout", "400", "configs/base.yml", *TINY,
-                     f"base_output_directory={tmp_path}", f"run_name=p{n}", timeout=450)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        assert "mesh: {'data': 2, 'fsdp': 2, 'vocab': 2} over 8 cpu device(s)" in res.stdout
+    for n, (stdout, run) in outputs.items():
+        assert "mesh: {'data': 2, 'fsdp': 2, 'vocab': 2} over 8 cpu device(s)" in stdout
         # Only process 0 reports progress and writes the run directory's files.
-        assert re.search(r"^\[p0\] step 5/5 \| loss", res.stdout, re.M)
-        assert not re.search(r"^\[p1\] (step|evaluation|config:)", res.stdout, re.M)
-        rows = [json.loads(l) for l in (tmp_path / f"p{n}" / "metrics.jsonl").read_text().splitlines()]
+        assert re.search(r"^\[p0\] step 5/5 \| loss" if n == 2 else r"^step 5/5 \| loss", stdout, re.M)
+        assert not re.search(r"^\[p1\] (step|evaluation|config:)", stdout, re.M)
+        rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
         runs[n] = [r["loss"] for r in rows if r["split"] == "train"]
         assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4, 5]
-        assert (tmp_path / f"p{n}" / "checkpoints" / "5").is_dir()
+        assert (run / "checkpoints" / "5").is_dir()
     two, one = runs[2], runs[1]
-    assert max(two) - min(two) > 1e-3          # training moves the loss, so equality means something
-    for a, b in zip(two, one):
-        assert abs(a - b) <= 1e-5 * abs(b), (two, one)
+    tol = [1e-5 * abs(b) for b in one]
+    for a, b, t in zip(two, one, tol):
+        assert abs(a - b) <= t, (two, one)
+    # Training moves the loss, so equality means something: by far more than the tolerance (a
+    # tolerance-derived bound, not a fixed spread that a seed's luck could undercut).
+    assert max(two) - min(two) > 10 * max(tol), two
 
 
 # ----------------------------------------------------------------------------- distributed.py

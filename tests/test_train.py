@@ -226,3 +226,80 @@ def test_compile_topology_runs_without_libtpu_noise():
     assert run.returncode == 0, run.stderr
     assert "per-chip HBM" in run.stdout
     assert "unexpected worker hostname" not in run.stderr and "could not determine" not in run.stderr, run.stderr
+
+
+# ----------------------------------------------------------------------------- PRNG implementation
+# MaxText's train.main sets jax_default_prng_impl=unsafe_rbg for the whole process: the trainer's
+# keys (init, dropout, negatives) and checkpoints must not depend on it.
+PRNG_RUN = ["steps=4", "checkpoint_period=2", "log_period=1", "loss=sampled_softmax", "num_negatives=64",
+            "dropout=0.1", "enable_tensorboard=false"]
+
+
+def test_keys_and_checkpoints_ignore_the_global_prng_impl(tmp_path, monkeypatch):
+    import collections
+
+    from recloss_plugins.sasrec import program as program_lib
+    old = jax.config.jax_default_prng_impl          # threefry2x32 unless JAX_DEFAULT_PRNG_IMPL says otherwise
+    other = "unsafe_rbg" if old != "unsafe_rbg" else "threefry2x32"
+    ds = D.build_dataset(_cfg(tmp_path, *PRNG_RUN))
+    quiet = dict(devices=_one_device(), dataset=ds, log=lambda *a: None)
+    ref = train(_cfg(tmp_path, *PRNG_RUN, "run_name=ref"), **quiet)
+    # Written under the default; resumed below under unsafe_rbg (the other global setting).
+    train(_cfg(tmp_path, *PRNG_RUN, "run_name=cut"), stop_after=2, **quiet)
+    ckpt = Checkpoints(tmp_path / "cut" / "checkpoints", 0)
+    assert ckpt.meta(2)["prng_impl"] == program_lib.PRNG_IMPL == "threefry2x32"
+    ckpt.close()
+    ref_keys = (np.asarray(jax.random.key_data(program_lib.negatives_key(0, 3))),
+                np.asarray(ref.program.init()["rng"]))
+
+    jax.config.update("jax_default_prng_impl", other)    # what MaxText's train.main does
+    monkeypatch.setattr(program_lib, "_PROGRAMS", collections.OrderedDict())   # programs traced afresh
+    try:
+        assert str(jax.random.key_impl(jax.random.key(0))) == other      # the global setting took effect
+        logs = []
+        resumed = train(_cfg(tmp_path, *PRNG_RUN, "run_name=cut"), devices=_one_device(), dataset=ds,
+                        log=logs.append)
+        assert resumed.program is not ref.program
+        keys = (np.asarray(jax.random.key_data(program_lib.negatives_key(0, 3))),
+                np.asarray(resumed.program.init()["rng"]))
+        init = [np.asarray(x) for x in jax.tree.leaves(resumed.program.init()["params"])]
+    finally:
+        jax.config.update("jax_default_prng_impl", old)
+    # The same keys and initial parameters under either global setting ...
+    for a, b in zip(keys, ref_keys):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(init, jax.tree.leaves(ref.program.init()["params"])):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # ... and the resumed steps draw the dropout masks and negatives of the uninterrupted run.
+    assert any("resumed from" in l and "step 2" in l for l in logs), logs
+    assert sorted(resumed.losses) == [2, 3]
+    for s in (2, 3):
+        assert resumed.losses[s] == ref.losses[s]
+    for a, b in zip(_params(ref), _params(resumed)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("recorded, rng_shape, named", [
+    ("unsafe_rbg", (2,), "unsafe_rbg"),        # the recorded implementation decides
+    (None, (4,), "rbg or unsafe_rbg"),          # written before it was recorded: the key data's shape
+])
+def test_resume_refuses_a_checkpoint_of_another_prng_impl(tmp_path, monkeypatch, recorded, rng_shape, named):
+    from recloss_plugins.config import ConfigError
+    real_save = Checkpoints.save
+
+    def save_as_other_impl(self, step, state, meta, data=None):
+        meta = dict(meta)
+        meta.pop("prng_impl")
+        if recorded:
+            meta["prng_impl"] = recorded
+        state = dict(state, rng=jax.numpy.zeros(rng_shape, jax.numpy.uint32))
+        return real_save(self, step, state, meta, data)
+
+    monkeypatch.setattr(Checkpoints, "save", save_as_other_impl)
+    run = ["steps=7", "checkpoint_period=2", "log_period=1", "run_name=other"]
+    train(_cfg(tmp_path, *run), devices=_one_device(), stop_after=2, log=lambda *a: None)
+    monkeypatch.setattr(Checkpoints, "save", real_save)
+    with pytest.raises(ConfigError) as err:
+        train(_cfg(tmp_path, *run), devices=_one_device(), log=lambda *a: None)
+    msg = str(err.value)
+    assert f"holds {named} PRNG keys" in msg and "draws threefry2x32 keys" in msg and "new run_name" in msg, msg

@@ -7,7 +7,13 @@ State (a pytree of global arrays):
     params     pure dict of the SASRec parameters (float32)
     opt_state  optax AdamW state
     step       int32 scalar: optimizer steps taken
-    rng        uint32 [2] key data; step s uses dropout key fold_in(rng, s)
+    rng        uint32 [2] key data of a PRNG_IMPL key; step s uses dropout key fold_in(rng, s)
+
+Every key is a `PRNG_IMPL` (threefry2x32) key made with an explicit ``impl`` and drawn with
+``jax_threefry_partitionable`` on, whatever the process's ``jax_default_prng_impl`` says
+(MaxText's ``train.main`` sets it to unsafe_rbg globally): parameters, dropout, negatives and
+checkpoints are the same under any global setting. A checkpoint records the implementation
+(``prng_impl`` in its meta) and one of another implementation is refused by name (`train`).
 
 A sampled loss (``loss: sampled_softmax | gbce``) draws step s's negatives with
 `negatives_key(seed, s)` (the run seed and the step only, so a resumed run draws
@@ -18,7 +24,9 @@ training split's item counts.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Dict, Optional
 
@@ -42,13 +50,35 @@ def base_rate_logit(num_labels: int, vocab_size: int) -> float:
     return math.log(p / (1 - p))
 
 
+# The trainer's PRNG implementation, pinned: never the global jax_default_prng_impl.
+PRNG_IMPL = "threefry2x32"
+
+
+def make_key(seed):
+    """A typed ``PRNG_IMPL`` key of ``seed`` (the global default implementation plays no part)."""
+    return jax.random.key(seed, impl=PRNG_IMPL)
+
+
+def wrap_key(data):
+    """The ``PRNG_IMPL`` key whose uint32 key data is ``data`` (the state's ``rng``)."""
+    return jax.random.wrap_key_data(data, impl=PRNG_IMPL)
+
+
+def pinned_random():
+    """The context every random draw of the trainer is traced and lowered in: threefry's
+    partitionable bit generation on (JAX's default), whatever the process set (a JAX without the
+    switch has only that behaviour)."""
+    switch = getattr(jax, "threefry_partitionable", None)
+    return switch(True) if switch is not None else contextlib.nullcontext()
+
+
 # Tags the negatives' key stream apart from the parameter and dropout streams of the same seed.
 _NEGATIVES_TAG = 0x73616D70
 
 
 def negatives_key(seed: int, step):
-    """The key of step ``step``'s sampled negatives: fold_in(fold_in(key(seed), tag), step)."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _NEGATIVES_TAG), step)
+    """The key of step ``step``'s sampled negatives: fold_in(fold_in(make_key(seed), tag), step)."""
+    return jax.random.fold_in(jax.random.fold_in(make_key(seed), _NEGATIVES_TAG), step)
 
 
 def proposal_log_q(cfg, vocab_size: int, item_counts=None):
@@ -122,12 +152,14 @@ class Program:
     init: Callable             # () -> state
     train_step: Callable       # (state, batch) -> (state, metrics)
     eval_top_k: Callable       # (params, inputs [U, N], lengths [U]) -> (scores [U, K], ids [U, K])
+    prng_impl: str = PRNG_IMPL  # the implementation of every key (recorded in checkpoints)
     _compiled: Any = dataclasses.field(default=None, repr=False)
 
     def compiled_train_step(self):
         """The train step compiled for the abstract state and batch (once per Program)."""
         if self._compiled is None:
-            self._compiled = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
+            with pinned_random():
+                self._compiled = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
         return self._compiled
 
     def abstract_batch(self, batch_size=None):
@@ -197,17 +229,18 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
     cdtype = compute_dtype(cfg.dtype)
     seed = cfg.seed
 
-    abstract_model = nnx.eval_shape(lambda: make_model(cfg, rows, nnx.Rngs(0), vocab_size))
+    abstract_model = nnx.eval_shape(lambda: make_model(cfg, rows, nnx.Rngs(make_key(0)), vocab_size))
     graphdef = nnx.graphdef(abstract_model)
 
     def init():
-        keys = jax.random.split(jax.random.key(seed), 2)
+        keys = jax.random.split(make_key(seed), 2)
         model = make_model(cfg, rows, nnx.Rngs(params=keys[0]), vocab_size)
         params = nnx.to_pure_dict(nnx.state(model))
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
                 "rng": jax.random.key_data(keys[1])}
 
-    shapes = jax.eval_shape(init)
+    with pinned_random():
+        shapes = jax.eval_shape(init)
     p_specs = parallel.param_specs(shapes["params"], layout, specs)
     state_specs = {"params": p_specs, "opt_state": parallel.opt_state_specs(tx, shapes["opt_state"], p_specs),
                    "step": P(), "rng": P()}
@@ -231,7 +264,7 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
         return out.loss, out.metrics
 
     def train_step(state, batch):
-        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        key = jax.random.fold_in(wrap_key(state["rng"]), state["step"])
         key = key if cfg.dropout > 0 else None
         (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key, state["step"])
         gnorm = optax.tree.norm(grads)
@@ -265,11 +298,20 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
         cfg=cfg, mesh=mesh, layout=layout, strategy=strategy, vocab_size=vocab_size, rows=rows, batch_size=b,
         graphdef=graphdef, tx=tx, schedule=schedule, abstract_state=abstract_state, state_shardings=state_sh,
         batch_shardings=batch_sh,
-        init=jax.jit(init, out_shardings=state_sh),
+        init=_pinned(jax.jit(init, out_shardings=state_sh)),
         train_step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                            donate_argnums=(0,)),
         eval_top_k=jax.jit(eval_top_k, in_shardings=eval_in),
     )
+
+
+def _pinned(fn):
+    """``fn`` called (traced, lowered and run) in `pinned_random`."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with pinned_random():
+            return fn(*args, **kwargs)
+    return call
 
 
 def memory_report(compiled) -> Dict[str, float]:

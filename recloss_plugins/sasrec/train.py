@@ -35,6 +35,9 @@ from recloss_plugins.sasrec.data import pipeline as pipeline_lib
 from recloss_plugins.sasrec.logging_utils import MetricsWriter, Progress, format_duration
 from recloss_plugins.sasrec.program import Program, format_memory, memory_report, program_for
 
+# The key-data shape of each PRNG implementation, for checkpoints that predate the recorded `prng_impl`.
+_KEY_DATA_IMPLS = {(2,): "threefry2x32", (4,): "rbg or unsafe_rbg"}
+
 USAGE = """usage: recloss-train [CONFIG.yml] [key=value ...]
 
 Trains the multi-label SASRec reference model. CONFIG defaults to configs/base.yml,
@@ -188,6 +191,26 @@ class Checkpoints:
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore(), **extra))
         return out["state"], out["meta"]
 
+    def meta(self, step: int) -> dict:
+        """The JSON record of checkpoint ``step`` alone (no array is read)."""
+        ocp = self.ocp
+        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+    def prng_impl(self, step: int) -> str:
+        """The PRNG implementation of checkpoint ``step``'s keys: its recorded ``prng_impl``, or for a
+        checkpoint written before that was recorded, the one its ``rng`` key data's shape implies."""
+        try:
+            impl = self.meta(step).get("prng_impl")
+        except Exception:  # unreadable meta: restore reports what is wrong
+            return ""
+        if impl:
+            return str(impl)
+        try:
+            shape = tuple(getattr(self.manager.item_metadata(step)["state"]["rng"], "shape", ()))
+        except Exception:
+            return ""
+        return _KEY_DATA_IMPLS.get(shape, f"unknown (key data of shape {shape})")
+
     def shape_mismatch(self, step: int, abstract_state) -> Optional[str]:
         """The first array whose saved shape differs from ``abstract_state``'s, or None.
 
@@ -296,6 +319,12 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
         old_cfg = run_dir / "config.yml"
         if old_cfg.exists():
             _report_config_changes(old_cfg, cfg, say)
+        saved_impl = ckpt.prng_impl(latest)
+        if saved_impl and saved_impl != program.prng_impl:
+            raise ConfigError(
+                f"cannot resume {run_dir} from step {latest}: its checkpoint holds {saved_impl} PRNG keys, but "
+                f"this trainer draws {program.prng_impl} keys (pinned, whatever jax_default_prng_impl says); "
+                f"resuming would change the dropout and negatives streams mid-run. Use a new run_name")
         try:
             state, meta = ckpt.restore(latest, program.abstract_state, data=grain_it)
         except Exception as err:  # shape/structure mismatch: a different model in this run_name
@@ -383,7 +412,7 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
             if is_ckpt:
                 ckpt.save(done, state, {"step": done, "data_position": position, "vocab_size": vocab,
                                         "table_rows": program.rows, "global_batch_size": B, "loss": cfg.loss,
-                                        "seed": cfg.seed},
+                                        "seed": cfg.seed, "prng_impl": program.prng_impl},
                           data=None if grain_it is None else pipeline_lib.frozen_state(grain_it))
                 last_saved = done
             if cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.steps:

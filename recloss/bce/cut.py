@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 
 from recloss import sweep as sweep_lib
@@ -45,6 +46,18 @@ def plan(m: int, v_local: int, opts: LossOptions, *, vocab_size: int, static_off
                                        vocab_size=vocab_size, static_offset=static_offset))
 
 
+def _fence(e_j):
+    """e_j (an f32 table block) unchanged, through a uint32 view behind an optimization barrier.
+
+    TPU matmuls at default precision convert f32 operands to bf16; XLA's bf16 propagation moves
+    that convert back through the block's dynamic slice and the loop onto the whole table (a
+    bf16 [V_local, D] copy in temporaries on libtpu 0.0.50, which no longer shares it with the
+    output). An integer view cannot become bf16, so the convert stays per block, in the loop.
+    """
+    u = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(e_j, jnp.uint32))
+    return jax.lax.bitcast_convert_type(u, jnp.float32)
+
+
 def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: bool):
     """One pass over vocab blocks for rows a [M, D] (`recloss.sweep.blocked`).
 
@@ -60,6 +73,8 @@ def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: boo
 
     def tile(a_s, rows_s, e_j, b_j, live, col0):
         """Loss/count row sums, dA rows, dE_j and db_j contributions of one [rows, bv] logit tile."""
+        if e_j.dtype == jnp.float32:   # exact bit round trip: see _fence
+            e_j = _fence(e_j)
         x = jnp.dot(a_s, e_j.T, preferred_element_type=jnp.float32)
         if b_j is not None:
             x = x + b_j.astype(jnp.float32)[None, :]

@@ -231,7 +231,7 @@ def table_rows(table: Table, data: dict) -> List[dict]:
 def render_table(name: str, stack: str, records_dir: Optional[Path] = None) -> str:
     """The README block of table ``name`` from the record file ``<records_dir>/<stack>.json``
     (without its marker lines)."""
-    from recloss.bench import cli
+    from recloss.bench import rows as bench_rows
 
     table = TABLES[name]
     path = Path(RECORDS_DIR if records_dir is None else records_dir) / f"{stack}.json"
@@ -248,7 +248,7 @@ def render_table(name: str, stack: str, records_dir: Optional[Path] = None) -> s
         "",
         f"Recorded in [`{rel}`]({rel}) ({versions}):",
         "",
-        cli.format_topology(table.topology, table_rows(table, data), table.objective),
+        bench_rows.format_topology(table.topology, table_rows(table, data), table.objective),
     ]
     return "\n".join(lines)
 

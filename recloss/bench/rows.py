@@ -183,3 +183,34 @@ def tokamax_loss(impl: str):
     def loss(hidden, weights, targets):
         return fn(hidden.reshape(-1, hidden.shape[-1]), weights, targets.reshape(-1))
     return loss
+
+
+def format_topology(topology: str, rows, objective: str = "bce", notes=()) -> str:
+    """Markdown table of `topology.topology_rows` output (per-chip HBM, cost-analysis flops)."""
+    gib = lambda x: f"{x / 2**30:.3f}" if isinstance(x, (int, float)) else str(x)
+    lines = [
+        f"per-chip HBM of loss+grad compiled for one chip of {topology} (XLA memory_analysis; "
+        "HBM = arguments + outputs + temp)",
+        "",
+        "| strategy | B | N | D | V | HBM GiB | temp GiB | flops / 6·BN·V·D | compile s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        flops = r["flops"]
+        ratio = f"{flops / r['ideal_flops']:.3f}" if isinstance(flops, (int, float)) else (
+            "-" if flops is None else str(flops))
+        lines.append(f"| {r['strategy']} | {r['B']} | {r['N']} | {r['D']} | {r['V']:,} | {gib(r['hbm_bytes'])} | "
+                     f"{gib(r['temp_bytes'])} | {ratio} | {r['compile_s']} |")
+    lines.append("")
+    if objective == "bce":
+        lines.append("flops come from compiled.cost_analysis(): Pallas kernels report their pl.CostEstimate; "
+                     "XLA counts a scan body once, so the cutbce (lax.scan) column understates its work.")
+    else:
+        lines.append("flops come from compiled.cost_analysis(): Pallas kernels report their pl.CostEstimate; "
+                     "XLA counts a loop body once, so the cutce (lax.scan) and Tokamax chunked_xla (fori_loop) "
+                     "columns understate their work (both compute 8·BN·V·D).")
+        if any(is_peer(r["strategy"]) for r in rows):
+            lines.append("Tokamax rows take one label per position (labels [B·N], its API) and the table as "
+                         "[D, V]; the recloss rows L=8. The targets are B·N·L int32: a few KiB of HBM.")
+    lines += list(notes)
+    return "\n".join(lines)

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 import recloss
 from _multiprocess_worker import AXES, MESH_SHAPE, TIMEOUT_S, grain_args, loss_and_grads, make_inputs
+from conftest import xla_flags
 
 WORKER = Path(__file__).with_name("_multiprocess_worker.py")
 
@@ -77,7 +78,7 @@ def _grain_launch(args, out, d, *extra):
     as this test process)."""
     out.mkdir()
     cmd = [sys.executable, str(WORKER), "grain-train", str(out), *extra, *args]
-    env = dict(os.environ, PYTHONPATH=str(WORKER.parents[1]), XLA_FLAGS=f"--xla_force_host_platform_device_count={d}",
+    env = dict(os.environ, PYTHONPATH=str(WORKER.parents[1]), XLA_FLAGS=xla_flags(d),
                JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=out)
 

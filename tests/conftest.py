@@ -98,6 +98,18 @@ def pytest_configure(config):
             core.global_force_seed = int(env, 0)
 
 
+SEEDED_FIXTURES = {"seed", "rng", "fresh_seed"}
+
+
+def pytest_collection_modifyitems(config, items):
+    # `-m seeded` selects every test whose inputs a seed decides (a seed fixture anywhere in its
+    # fixture closure, or Hypothesis examples): the ones a sweep over RECLOSS_TEST_SEED re-runs.
+    for item in items:
+        hypo = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
+        if hypo or SEEDED_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.seeded)
+
+
 # ----------------------------------------------------------------------------- global JAX config
 # Process-wide settings a test or an import can change for every later test of the session:
 # MaxText's train.main sets jax_default_prng_impl=unsafe_rbg, its compile/decode entry points

@@ -170,14 +170,14 @@ def _fake_payload(rng):
     return dict(topology=rows, cpu=cpu, info=info)
 
 
-def test_plot_draws_hbm_and_cpu_time_against_v_with_oom_marked(tmp_path):
+def test_plot_draws_hbm_and_cpu_time_against_v_with_oom_marked(tmp_path, rng):
     import numpy as np
     pytest.importorskip("matplotlib", reason="the `plot` extra (matplotlib) is not installed")
     from matplotlib import image
 
     from recloss.bench import plot
 
-    payload = _fake_payload(np.random.default_rng())
+    payload = _fake_payload(rng)
     path = tmp_path / "bench.png"
     fig = plot.render(payload, str(path))
     hbm, cpu = fig.axes

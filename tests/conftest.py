@@ -19,8 +19,7 @@ def xla_flags(devices: int = 8) -> str:
 
 # Must happen before jax is imported anywhere.
 _have = os.environ.get("XLA_FLAGS", "")
-_add = [f for f in ("--xla_force_host_platform_device_count=8", TEST_XLA_OPT)
-        if f.split("=")[0] not in _have]
+_add = [f for f in xla_flags().split() if f.split("=")[0] not in _have]
 os.environ["XLA_FLAGS"] = " ".join([_have, *_add]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")

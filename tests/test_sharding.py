@@ -47,7 +47,7 @@ def make_inputs(rng, *, lead=(2, 8), D=16, V=1000, rows=1024, L=4, bias=True):
     t = np.where((u > 0.2) & (u < 0.3), V + rng.integers(0, rows - V + 40, size=(m, L)), t)
     t = np.where(u > 0.75, -1, t)                                           # padding
     t[0] = -1                                                               # an all-padding row
-    t[1, 0], t[2, -1] = V, rows + 7         # invalid ids on every seed: one in the padding rows (or at V), one past them
+    t[1, 0], t[2, -1] = V, rows + 7                                         # invalid ids on every seed
     w = rng.uniform(0.0, 2.0, size=(m,))
     w[rng.random(m) < 0.2] = 0.0
     out = dict(

@@ -1,4 +1,5 @@
-"""Cut metrics: TP/FP/FN/TN from per-row counts of the same pass, no [M, V] array."""
+"""Training metrics from per-row counts of the same pass, no [M, V] array: BCE's cut metrics
+(TP/FP/FN/TN at a threshold) and the softmax and sampled objectives' top-1 counts."""
 
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ def cut_metrics(counts, w, *, vocab_size: int, invalid, weight_sum, psum_batch=l
         fp = psum_batch(jnp.sum(w * (counts["predicted"] - counts["tp"])))
         fn = psum_batch(jnp.sum(w * (counts["targets"] - counts["tp"])))
         out.update(tp=tp, fp=fp, fn=fn, tn=weight_sum * float(vocab_size) - tp - fp - fn)
+    return out
+
+
+def top1_metrics(counts, w, *, invalid, weight_sum, psum_batch=lambda x: x):
+    """num_targets (Σ_i |T_i|), invalid_targets, weight_sum and, when ``counts`` has 'top1' (a [M]
+    0/1 row flag), top1 = Σ_i w_i·top1_i; ``psum_batch`` sums a local scalar over batch shards."""
+    out = {"num_targets": psum_batch(jnp.sum(counts["targets"])), "invalid_targets": invalid,
+           "weight_sum": weight_sum}
+    if "top1" in counts:
+        out["top1"] = psum_batch(jnp.sum(w * counts["top1"]))
     return out
 
 

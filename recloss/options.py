@@ -137,20 +137,6 @@ class LossOptions:
     def replace(self, **changes) -> "LossOptions":
         return dataclasses.replace(self, **changes)
 
-    # Coefficients of the dense background Σ_v [c_p·P + c_q·Q] and of the sparse
-    # correction Σ_t c_t·(P − Q); see DESIGN.md "The math".
-    @property
-    def background_p(self) -> float:
-        return self.label_smoothing / 2.0
-
-    @property
-    def background_q(self) -> float:
-        return 1.0 - self.label_smoothing / 2.0
-
-    @property
-    def correction(self) -> float:
-        return 1.0 - self.label_smoothing
-
 
 def _check_real(name, value, ok, expected):
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -25,7 +25,8 @@ def register_strategy(name: str, factory: Callable):
 
 
 def available_strategies(objective: Optional[str] = None) -> tuple:
-    """Names of the registered strategies, sorted; only those of ``objective`` ('bce', 'softmax') when given."""
+    """Names of the registered strategies, sorted; only those of ``objective`` ('bce', 'softmax', 'sampled')
+    when given."""
     names = tuple(sorted(_REGISTRY))
     if objective is None:
         return names

@@ -19,8 +19,9 @@ the tie-to-smallest-id argmax for the softmax log-partition. The softmax
 gradient needs the global Z, so softmax runs two rings: the forward one for Z
 (only the table travels), and the backward recompute with travelling dE.
 
-`Plan` wraps any plan of `recloss.sweep` (it is itself one), so the custom-VJP
-shells `sweep.background_total` / `background_rows` run the ring unchanged and
+Every walk round the ring is `Ring.walk`. `Plan` wraps any plan of
+`recloss.sweep` (it is itself one), so the custom-VJP shells
+`sweep.sweep_total` / `sweep_rows` run the ring unchanged and
 save only the chip's own slice and its own dE as residuals; autodiff through a
 scan of ppermutes would instead save every slice that visited as a residual.
 `gather_logits` is the ring form of `recloss.targets.gather_logits` (the
@@ -29,15 +30,14 @@ target correction), with its own VJP.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from recloss import targets as targets_lib
-from recloss.assemble import Reducer
+from recloss.sweep import SweepOut
 
 GATHERS = ("once", "ring")
 
@@ -65,23 +65,32 @@ class Ring(NamedTuple):
         """Which chip's slice this chip holds at step s: (i − s) mod F."""
         return (self.index() - s) % self.size
 
+    def walk(self, e, b, visit, merge):
+        """Visits every slice of the ring once, each chip starting from its own.
 
-class RingReducer(Reducer):
-    """A `recloss.assemble.Reducer` that also says the table arrives as a travelling slice."""
+        ``visit(s, e_k, b_k) -> (stay, de_k, db_k)`` for the slice held at step s: ``stay`` is
+        this chip's own result (rows that never move), merged over the steps with
+        ``merge(old, new)``; de_k / db_k (or None) are the held slice's gradient contributions,
+        accumulated on the slice's travelling accumulator. While a step runs, the next slice and
+        the last step's accumulators are already on their way (ppermutes issued first). Returns
+        (stay, dE, db) with dE / db this chip's own slice's full sums, home after one last shift.
+        """
+        # Step 0: the chip's own slice; its send to the neighbour starts first. (Starting the loop at
+        # step 0 instead, to trace the visit once, copies the own slice into the loop carry and
+        # measured +1 slice of temporaries.)
+        e_next, b_next = self.shift(e), self.shift(b)
+        stay, de, db = visit(0, e, b)
 
-    def __init__(self, ring: Ring, **kw):
-        super().__init__(**kw)
-        object.__setattr__(self, "ring", ring)
+        def body(s, c):
+            e_k, b_k, stay, de, db = c
+            e_nxt, b_nxt = self.shift(e_k), self.shift(b_k)     # the next slice: overlaps the visit
+            de_in, db_in = self.shift(de), self.shift(db)       # slice k's accumulator from chip i−1
+            st, de_s, db_s = visit(s, e_k, b_k)
+            return e_nxt, b_nxt, merge(stay, st), _add(de_in, de_s), _add(db_in, db_s)
 
-
-def with_ring(reducer: Reducer, ring: Ring) -> RingReducer:
-    """``reducer`` (all its fields kept) marked as running under ``ring``."""
-    return RingReducer(ring, **{f.name: getattr(reducer, f.name) for f in dataclasses.fields(reducer)})
-
-
-def ring_of(reducer) -> Optional[Ring]:
-    """The `Ring` of a reducer under ``fsdp_gather='ring'`` (None otherwise)."""
-    return getattr(reducer, "ring", None)
+        stay, de, db = jax.lax.fori_loop(1, self.size, body, (e_next, b_next, stay, de, db))[2:]
+        # After F steps chip i holds slice i+1's full dE: one more step brings it home.
+        return stay, self.shift(de), self.shift(db)
 
 
 def _add(x, y):
@@ -102,47 +111,33 @@ def _merge_sum(old, new):
     return _add(old[0], new[0]), _add(old[1], new[1])
 
 
-class Plan(NamedTuple):
-    """A `recloss.sweep` plan over the ring: ``inner`` sweeps one slice, the ring walks them.
+_MERGES = {"sum": _merge_sum, "lse": _merge_lse}
 
-    combine: 'sum' (BCE: background and counts add) or 'lse' (softmax: log-partitions merge).
-    The ``vocab_offset`` handed to `sweep` is the first global id of the vocab shard (slice 0).
-    """
+
+class Plan(NamedTuple):
+    """A `recloss.sweep.Plan` walked round the ring: ``inner`` sweeps one slice, the ring walks them,
+    merging the slices' values by ``inner.combine`` ('sum' for BCE's background and counts, 'lse' for
+    the softmax log-partitions). The ``vocab_offset`` handed to `sweep` is the first global id of the
+    vocab shard (slice 0)."""
     inner: object
     ring: Ring
-    combine: str = "sum"
 
-    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None):
+    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None) -> SweepOut:
         ring, rows = self.ring, self.ring.rows
-        merge = _merge_lse if self.combine == "lse" else _merge_sum
+        merge = _MERGES[self.inner.combine]
         grad = mode in ("fused", "grad")
         base = jnp.asarray(vocab_offset, jnp.int32)
 
-        def run(s, e_k, b_k):
-            return self.inner.sweep(mode, a, e_k, b_k, r, base + ring.held(s) * rows, fwd)
+        def visit(s, e_k, b_k):
+            o = self.inner.sweep(mode, a, e_k, b_k, r, base + ring.held(s) * rows, fwd)
+            return ((o.value, o.aux), o.da), o.de, o.db
 
-        # Step 0: the chip's own slice; its send to the neighbour starts first. (Starting the loop at
-        # step 0 instead, to trace the inner sweep once, copies the own slice into the loop carry and
-        # measured +1 slice of temporaries.)
-        e_next, b_next = ring.shift(e), ring.shift(b)
-        head, da, de, db = (lambda o: (o[:2], o[2], o[3], o[4]))(run(0, e, b))
+        def merge_all(old, new):
+            head = old[0] if old[0][0] is None else merge(old[0], new[0])
+            return head, (_add(old[1], new[1]) if grad else old[1])
 
-        def body(s, c):
-            e_k, b_k, head, da, de, db = c
-            e_nxt, b_nxt = ring.shift(e_k), ring.shift(b_k)       # the next slice: overlaps the sweep
-            de_in, db_in = ring.shift(de), ring.shift(db)         # slice k's accumulator from chip i−1
-            o = run(s, e_k, b_k)
-            if head[0] is not None:
-                head = merge(head, o[:2])
-            if grad:
-                da, de, db = da + o[2], de_in + o[3], _add(db_in, o[4])
-            return e_nxt, b_nxt, head, da, de, db
-
-        c = jax.lax.fori_loop(1, ring.size, body, (e_next, b_next, head, da, de, db))
-        head, da, de, db = c[2:]
-        if grad:   # after F steps chip i holds slice i+1's full dE: one more step brings it home
-            de, db = ring.shift(de), ring.shift(db)
-        return head[0], head[1], da, de, db
+        (head, da), de, db = ring.walk(e, b, visit, merge_all)
+        return SweepOut(head[0], head[1], da, de, db)
 
 
 def _slice_ids(ids, valid, k, rows):
@@ -152,6 +147,7 @@ def _slice_ids(ids, valid, k, rows):
     return jnp.where(own, loc, 0), own
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def gather_logits(hidden, e, b, ids, valid, ring: Ring):
     """`recloss.targets.gather_logits` when the chip holds only its table slice.
 
@@ -161,30 +157,15 @@ def gather_logits(hidden, e, b, ids, valid, ring: Ring):
     the slices, each owning chip gathering its ids. VJP: another ring whose dE
     accumulators travel as in `Plan` (``targets.scatter_rows`` per slice).
     """
-    return _ring_gather(hidden, e, b, ids, valid, ring)
+    return _gather_forward(hidden, e, b, ids, valid, ring)
 
 
 def _gather_forward(hidden, e, b, ids, valid, ring):
-    def one(s, e_k, b_k):
+    def visit(s, e_k, b_k):
         loc, own = _slice_ids(ids, valid, ring.held(s), ring.rows)
-        return jnp.where(own, targets_lib.gather_logits(hidden, e_k, b_k, loc), 0.0)
+        return jnp.where(own, targets_lib.gather_logits(hidden, e_k, b_k, loc), 0.0), None, None
 
-    x = one(0, e, b)
-
-    def body(s, c):
-        e_k, b_k, x = c
-        return ring.shift(e_k), ring.shift(b_k), x + one(s, e_k, b_k)
-
-    return jax.lax.fori_loop(1, ring.size, body, (ring.shift(e), ring.shift(b), x))[2]
-
-
-def _ring_gather(hidden, e, b, ids, valid, ring):
-    return _ring_gather_vjp(hidden, e, b, ids, valid, ring)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring_gather_vjp(hidden, e, b, ids, valid, ring):
-    return _gather_forward(hidden, e, b, ids, valid, ring)
+    return ring.walk(e, b, visit, jnp.add)[0]
 
 
 def _rg_fwd(hidden, e, b, ids, valid, ring):
@@ -196,7 +177,7 @@ def _rg_bwd(ring, res, g):
     g = g.astype(jnp.float32)
     with_b = b is not None
 
-    def one(s, e_k):
+    def visit(s, e_k, _):
         loc, own = _slice_ids(ids, valid, ring.held(s), ring.rows)
         gk = jnp.where(own, g, 0.0)
         rows = jnp.take(e_k, loc, axis=0)
@@ -204,18 +185,9 @@ def _rg_bwd(ring, res, g):
         de, db = targets_lib.scatter_rows(hidden, gk, loc, ring.rows, with_b)
         return dh, de, db
 
-    dh, de, db = one(0, e)
-
-    def body(s, c):
-        e_k, dh, de, db = c
-        e_nxt, de_in, db_in = ring.shift(e_k), ring.shift(de), ring.shift(db)
-        dh_s, de_s, db_s = one(s, e_k)
-        return e_nxt, dh + dh_s, de_in + de_s, _add(db_in, db_s)
-
-    _, dh, de, db = jax.lax.fori_loop(1, ring.size, body, (ring.shift(e), dh, de, db))
-    de, db = ring.shift(de), ring.shift(db)
+    dh, de, db = ring.walk(e, None, visit, jnp.add)
     return (dh.astype(hidden.dtype), de.astype(e.dtype), None if b is None else db.astype(b.dtype),
             None, None)
 
 
-_ring_gather_vjp.defvjp(_rg_fwd, _rg_bwd)
+gather_logits.defvjp(_rg_fwd, _rg_bwd)

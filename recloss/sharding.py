@@ -46,9 +46,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from recloss import _compat, ring as ring_lib
-from recloss.assemble import LossOutput, Reducer, assemble
-
-_LANES = 128
+from recloss.assemble import LossOutput, assemble
+from recloss.pallas.tiling import LANES
+from recloss.shard import RingShard, VocabShard
 
 
 def _axes_tuple(name, value) -> Tuple[str, ...]:
@@ -197,7 +197,7 @@ def padded_vocab_size(vocab_size: int, layout: Optional[MeshLayout] = None) -> i
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-    unit = _LANES * (1 if layout is None else layout.table_shards)
+    unit = LANES * (1 if layout is None else layout.table_shards)
     return -(-vocab_size // unit) * unit
 
 
@@ -228,14 +228,6 @@ def default_specs(layout: MeshLayout) -> Specs:
                  row_loss=P(b), loss=P(), metrics=P())
 
 
-def _psum_over(axes):
-    return (lambda x: jax.lax.psum(x, axes)) if axes else (lambda x: x)
-
-
-def _pmax_over(axes):
-    return (lambda x: jax.lax.pmax(x, axes)) if axes else (lambda x: x)
-
-
 def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_size: int,
         extras=None, extra_specs=None) -> LossOutput:
     """The loss of ``strategy`` under ``layout`` (called by `recloss.Strategy.__call__`).
@@ -256,54 +248,60 @@ def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_
     layout.check_rows(hidden.shape[0])
     layout.check_table(table.shape[0])
     specs = strategy.partition_specs(layout)
-    opts = strategy.options
-    platform = layout.platform
-    v_local = table.shape[0] // layout.vocab_shards
-    vocab_axis, fsdp_axis = layout.vocab_axis, layout.fsdp_axis
-    # Sums over axes of size 1 are skipped: they would still appear as collectives.
-    sum_batch = tuple(a for a in layout.batch_axes if layout.axis_size(a) > 1)
-    sum_vocab = tuple(a for a in (vocab_axis,) if layout.axis_size(a) > 1)
+    shard_of = _shard_builder(strategy, layout, table.shape[0], vocab_size)
+    inputs = [("hidden", hidden, specs.hidden), ("table", table, specs.table), ("targets", targets, specs.targets),
+              ("weights", w, specs.weights), ("extras", extras, extra_specs), ("bias", bias, specs.bias)]
+    inputs = [x for x in inputs if x[1] is not None]
+    names = [n for n, _, _ in inputs]
 
-    ring = None
-    if layout.fsdp_gather == "ring" and layout.fsdp_shards > 1:
-        if not getattr(strategy, "supports_ring", False):
-            raise ValueError(f"strategy {strategy.name!r} does not take MeshLayout(fsdp_gather='ring') "
-                             f"(it needs the vocab shard's whole table on each chip); use "
-                             f"fsdp_gather='once', or a blocked strategy: cutbce, cutbce_pallas, cutce, "
-                             f"cutce_pallas")
-        ring = ring_lib.Ring(fsdp_axis, layout.fsdp_shards, v_local // layout.fsdp_shards)
+    def local(*arrays):
+        a = dict(zip(names, arrays))
+        return assemble(strategy, a["hidden"], a["targets"], a["weights"], shard_of(a["table"], a.get("bias")),
+                        extras=a.get("extras"))
 
-    def local(h, e, t, w_, b=None, x=None):
-        if fsdp_axis is not None and ring is None:
-            e = jax.lax.all_gather(e, fsdp_axis, axis=0, tiled=True)
-            if b is not None:
-                b = jax.lax.all_gather(b, fsdp_axis, axis=0, tiled=True)
-        offset = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * v_local
-        reducer = Reducer(batch=_psum_over(sum_batch), vocab=_psum_over(sum_vocab),
-                          vocab_max=_pmax_over(sum_vocab))
-        if ring is not None:   # e, b stay this chip's slice; the strategy walks the ring
-            reducer = ring_lib.with_ring(reducer, ring)
-        return assemble(strategy, h, e, b, t, w_, vocab_offset=offset, vocab_size=vocab_size,
-                        platform=platform, reducer=reducer, extras=x)
-
-    loss_spec = specs.row_loss if opts.reduction == "none" else specs.loss
-    out_specs = LossOutput(loss_spec, specs.metrics)
-    args = (hidden, table, targets, w) + (() if bias is None else (bias,))
-    in_specs = (specs.hidden, specs.table, specs.targets, specs.weights) + (
-        () if bias is None else (specs.bias,))
-    if extras is not None:
-        body = local
-        local = lambda h, e, t, w_, x, b=None: body(h, e, t, w_, b, x)   # noqa: E731
-        args, in_specs = args[:4] + (extras,) + args[4:], in_specs[:4] + (extra_specs,) + in_specs[4:]
+    loss_spec = specs.row_loss if strategy.options.reduction == "none" else specs.loss
+    in_specs = tuple(spec for _, _, spec in inputs)
     # check_vma=False: strategies keep untyped scan carries (bce/cut.py's zeros
     # init) and pallas_call out_shapes, which check_vma=True rejects. Gradients
     # stay exact: shard_map divides an output's cotangent by the size of the
     # axes its spec leaves out and psums an input's cotangent over the axes
     # its spec leaves out (hidden: vocab_axis; table and bias: the data axes);
     # psum transposes to psum, all_gather to psum_scatter.
-    fn = _compat.shard_map(local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
-                           check_vma=False)
-    return fn(*place_all(layout, args, in_specs))
+    fn = _compat.shard_map(local, mesh=layout.mesh, in_specs=in_specs,
+                           out_specs=LossOutput(loss_spec, specs.metrics), check_vma=False)
+    return fn(*place_all(layout, tuple(x for _, x, _ in inputs), in_specs))
+
+
+def _shard_builder(strategy, layout: MeshLayout, rows: int, vocab_size: int):
+    """``shard_of(e, b) -> VocabShard``, called inside shard_map on the chip's table storage slice:
+    all-gathered over the fsdp axis into the vocab shard (``fsdp_gather='once'``), or kept as the
+    chip's slice of a `RingShard` (``'ring'`` on an fsdp axis of size > 1)."""
+    v_local = rows // layout.vocab_shards
+    vocab_axis, fsdp_axis = layout.vocab_axis, layout.fsdp_axis
+    # Sums over axes of size 1 are skipped: they would still appear as collectives.
+    kw = dict(vocab_size=vocab_size, platform=layout.platform,
+              batch_axes=tuple(a for a in layout.batch_axes if layout.axis_size(a) > 1),
+              vocab_axes=tuple(a for a in (vocab_axis,) if layout.axis_size(a) > 1))
+    ring = None
+    if layout.fsdp_gather == "ring" and layout.fsdp_shards > 1:
+        if "ring" not in strategy.fsdp_gathers:
+            raise ValueError(f"strategy {strategy.name!r} does not take MeshLayout(fsdp_gather='ring') "
+                             f"(it needs the vocab shard's whole table on each chip); use "
+                             f"fsdp_gather='once', or a blocked strategy: cutbce, cutbce_pallas, cutce, "
+                             f"cutce_pallas")
+        ring = ring_lib.Ring(fsdp_axis, layout.fsdp_shards, v_local // layout.fsdp_shards)
+
+    def shard_of(e, b):
+        if fsdp_axis is not None and ring is None:
+            e = jax.lax.all_gather(e, fsdp_axis, axis=0, tiled=True)
+            if b is not None:
+                b = jax.lax.all_gather(b, fsdp_axis, axis=0, tiled=True)
+        offset = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * v_local
+        if ring is not None:   # e, b stay this chip's slice; gathers and sweeps walk the ring
+            return RingShard(e, b, offset, ring=ring, **kw)
+        return VocabShard(e, b, offset, **kw)
+
+    return shard_of
 
 
 def place_all(layout: MeshLayout, arrays, specs):

@@ -1,9 +1,11 @@
 """The strategy protocol: what every implementation of an objective is, and how it is called.
 
 A `Strategy` validates the arrays it is called with, flattens the leading
-dims to M positions, checks its platform, and runs its `local_loss` on one
-device (`recloss.assemble`) or under shard_map (`recloss.sharding`).
-Objectives subclass it (`recloss.bce.strategies`); `recloss.api` names them.
+dims to M positions, checks its platform, and runs its `local_loss` on a
+`recloss.shard.VocabShard`: the whole table on one device (`recloss.assemble`)
+or each chip's shard under shard_map (`recloss.sharding`). Objectives subclass
+it (`recloss.bce.strategies`); `recloss.api` names them. `BlockedStrategy` is
+what the blocked ones add: the plan of their vocabulary sweep.
 """
 
 from __future__ import annotations
@@ -12,23 +14,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from recloss import registry, sharding
+from recloss import registry, sharding, sweep
 from recloss.assemble import LossOutput, assemble
 from recloss.options import LossOptions
+from recloss.shard import VocabShard
 
 
-# Options every strategy takes; an objective adds its own (`Strategy.options_supported`).
-COMMON_OPTIONS = ("reduction", "pad_id", "label_smoothing", "block_v", "block_n", "compute_metrics",
-                  "vocab_size", "interpret")
+# Options every strategy takes; an objective adds its own (`Strategy.options_supported`), a blocked
+# strategy its block sizes (`BLOCK_OPTIONS`), a Pallas one ``interpret``.
+COMMON_OPTIONS = ("reduction", "pad_id", "compute_metrics", "vocab_size")
+BLOCK_OPTIONS = ("block_v", "block_n")
 
 
 class Strategy:
     """A named implementation of an objective. Call it like the objective's entry point.
 
-    Class attributes: ``name``, ``objective`` ('bce', 'softmax'), ``entry_point``
+    Class attributes: ``name``, ``objective`` ('bce', 'softmax', 'sampled'), ``entry_point``
     (the function users call, e.g. 'recloss.bce_loss'), ``platforms``,
     ``options_supported`` (LossOptions fields it honours; any other field set
-    to a non-default value is an error at construction).
+    to a non-default value is an error at construction), ``fsdp_gathers`` (the
+    `MeshLayout.fsdp_gather` values it runs under).
 
     An objective's base class implements `local_loss` for one (batch, vocab)
     shard, and may override `row_weights`, `row_scale` and `metrics`.
@@ -39,6 +44,7 @@ class Strategy:
     entry_point: str = ""
     platforms: tuple = ("cpu", "gpu", "tpu")
     options_supported: tuple = COMMON_OPTIONS
+    fsdp_gathers: tuple = ("once",)
 
     def __init__(self, options: LossOptions):
         unsupported = [f for f in options.non_default() if f not in self.options_supported]
@@ -75,21 +81,18 @@ class Strategy:
             return w / jnp.where(weight_sum > 0, weight_sum, 1.0)
         return w
 
-    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size: int,
-                   scalar: bool, platform: str, reducer):
-        """One shard's loss and per-row counts, summed over the vocab shards with ``reducer.vocab``.
+    def local_loss(self, hidden, targets, row_scale, shard: VocabShard):
+        """One shard's loss and per-row counts, summed over the vocab shards (``shard.vocab_sum``).
 
-        Args: hidden [M, D], table [V_local, D], bias [V_local] or None, targets
-        [M, L] global ids, row_scale [M] f32 (from `row_scale`),
-        vocab_offset: global id of table row 0 (int or traced scalar),
-        platform: where the computation will run ('cpu', 'gpu', 'tpu'),
-        reducer: a `recloss.assemble.Reducer` (identity on one device).
-        A strategy whose `prepare` returns arrays also gets them as ``extras=`` (this shard's part).
-        Returns: (Σ_i row_scale_i·ℓ_i if scalar else row_scale·ℓ [M], counts dict of [M] f32).
+        Args: hidden [M, D], targets [M, L] global ids, row_scale [M] f32 (from `row_scale`),
+        shard: the `recloss.shard.VocabShard` to compute on (its table rows, their place in the
+        vocabulary, the reductions). A strategy whose `prepare` returns arrays also gets them as
+        ``extras=`` (this shard's part).
+        Returns: (Σ_i row_scale_i·ℓ_i, or row_scale·ℓ [M] for reduction='none'; counts dict of [M] f32).
         """
         raise NotImplementedError
 
-    def metrics(self, counts, w, *, vocab_size: int, invalid, weight_sum, reducer):
+    def metrics(self, counts, w, *, invalid, weight_sum, shard: VocabShard):
         """Global metrics (dict of f32 scalars) from `local_loss`'s counts; w, weight_sum from `row_weights`."""
         raise NotImplementedError
 
@@ -128,11 +131,32 @@ class Strategy:
                 more["extra_specs"] = self.extra_specs(layout, extras)
             out = sharding.run(self, h2, table, bias, t2, w, layout=layout, vocab_size=vocab_size, **more)
         else:
-            out = assemble(self, h2, table, bias, t2, w, vocab_offset=0, vocab_size=vocab_size,
-                           platform=platform, **more)
+            shard = VocabShard.whole(table, bias, vocab_size=vocab_size, platform=platform)
+            out = assemble(self, h2, t2, w, shard, **more)
         if self.options.reduction == "none":
             out = LossOutput(out.loss.reshape(lead), out.metrics)
         return out
+
+
+class BlockedStrategy(Strategy):
+    """A strategy whose dense part is one blocked sweep of the vocabulary (`recloss.sweep`).
+
+    ``cut_sweep`` (a staticmethod) is its objective's pure-JAX sweep (a `recloss.sweep.Plan.run`),
+    ``combine`` how two column sets' values merge ('sum' or 'lse'). Runs under either
+    `MeshLayout.fsdp_gather`."""
+
+    cut_sweep = None
+    combine: str = "sum"
+    fsdp_gathers = ("once", "ring")
+
+    def plan(self, m: int, shard: VocabShard) -> sweep.Plan:
+        """The static plan of the sweep for M rows on ``shard``: block sizes from `recloss.sweep.blocks`
+        (``block_v``/``block_n`` win when set) for the table the chip holds."""
+        opts = self.options
+        blocks = sweep.blocks(m, shard.table.shape[0], block_v=opts.block_v, block_n=opts.block_n,
+                              vocab_size=shard.vocab_size, static_offset=shard.static_offset)
+        return sweep.Plan(self.cut_sweep, self.combine, opts, shard.vocab_size, shard.static_offset,
+                          blocks=blocks)
 
 
 # ------------------------------------------------------------------------- validation

@@ -1,4 +1,5 @@
-"""The shared blocked vocabulary sweep, and the custom-VJP shells every blocked background plugs into.
+"""The shared blocked vocabulary sweep, its plan and result, and the custom-VJP shells every blocked
+objective plugs into.
 
 `blocked` walks a table shard in blocks of ``block_v`` rows (lax.scan), each
 block in row tiles of ``block_n`` rows, and hands every [block_n, block_v]
@@ -7,34 +8,36 @@ across blocks, per-block results (dE_j, db_j) are emitted once, never carried
 as a whole [V, D]. `blocks` chooses the sizes.
 
 A *sweep* walks the vocabulary once for rows a [M, D] against a table shard
-e [V_local, D] and returns ``(bg [M], counts [M] or None, dA [M, D], dE
-[V_local, D], db [V_local] or None)``, each entry None where the mode does not
-produce it. Modes:
+e [V_local, D] and returns a `SweepOut` (value [M], aux, dA [M, D], dE
+[V_local, D], db [V_local]; None where the mode does not produce one): BCE's
+value is the background bg_i and its aux the predicted-positive counts,
+softmax's value the log-partition lse_i and its aux (row max, argmax id). Modes:
 
-    'loss'   bg and counts only                            2·M·V·D flops
-    'fused'  bg, counts and the gradients scaled by r      6·M·V·D
-    'grad'   the gradients scaled by r only (recompute)    6·M·V·D (logits again, dA, dE)
+    'loss'   value and aux only                               2·M·V·D flops
+    'fused'  value, aux and the gradients scaled by r (BCE)   6·M·V·D
+    'grad'   the gradients scaled by r only (recompute)       6·M·V·D (logits again, dA, dE)
 
-A plan is a hashable (static) object with a method
-``plan.sweep(mode, a, e, b, r, vocab_offset, fwd=None)`` (``fwd``: the 'grad'
-mode of `background_rows` gets the forward's row values, e.g. a log-partition); `recloss.bce.cut.Plan` (pure JAX,
-on `blocked`) and `recloss.bce.kernel.Plan` (Pallas) are the two today. On top of
-any plan:
+A `Plan` is the static (hashable) description of one sweep: the objective's
+sweep function on its backend (pure JAX on `blocked`, or a Pallas kernel on
+`recloss.pallas.grid`) and what it needs. On top of any plan:
 
-* `background_total` (scalar loss Σ_i r_i·bg_i): without a gradient it is the
+* `sweep_total` (scalar loss Σ_i r_i·value_i): without a gradient it is the
   loss-only sweep; the VJP's forward is the fused sweep, whose gradients are
   kept as residuals, and the backward only scales them by the cotangent.
-* `background_rows` (per-row bg, reduction='none'): forward is the loss-only
-  sweep; the backward recomputes with r = the cotangent row.
+* `sweep_rows` (per-row values: BCE with reduction='none', the softmax
+  log-partition): forward is the loss-only sweep; the backward recomputes with
+  r = the cotangent row and the forward's values.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+
+from recloss.options import LossOptions
 
 # Default vocab block (a divisor of V_local within a factor 2 below it when one exists).
 BLOCK_V = 2048
@@ -44,6 +47,49 @@ BLOCK_V = 2048
 # Measured on 2 cores at D=128: 2000×2048 tiles ran the fused BCE pass ~8% faster
 # than 1000×512 ones (recloss-bench; README).
 TILE_BYTES = 16 << 20
+
+
+class SweepOut(NamedTuple):
+    """What one sweep returns; a field the mode does not produce is None.
+
+    value: [M] f32 per row (BCE: the background bg_i; softmax: the log-partition lse_i, −inf for
+      a row with no live column). aux: BCE: predicted-positive counts [M] f32; softmax: (row max
+      [M] f32, its global id [M] int32) with compute_metrics. da [M, D] f32, de [V_local, D] (f32,
+      or the table's dtype from a kernel whose one row chunk completes the sum), db [V_local] f32.
+    """
+    value: Any = None
+    aux: Any = None
+    da: Any = None
+    de: Any = None
+    db: Any = None
+
+
+class Plan(NamedTuple):
+    """Static configuration of one sweep (hashable: a custom-VJP static argument).
+
+    run: the objective's sweep on its backend, ``run(mode, a, e, b, r, vocab_offset, plan, fwd)
+      -> SweepOut`` (`recloss.bce.cut.sweep`, `recloss.bce.kernel.sweep`, `recloss.softmax.cut.sweep`,
+      `recloss.softmax.kernel.sweep`). combine: how two column sets' values merge, 'sum' (BCE) or
+      'lse' (softmax), for a sweep split round a ring (`recloss.ring.Plan`).
+    vocab_size: the real V (global); static_offset: the shard's first global id when known at
+      trace time, else None. blocks: the pure-JAX block sizes; chip, interpret: a kernel's.
+    owner: the strategy's name, for error messages.
+    """
+    run: Callable
+    combine: str
+    opts: LossOptions
+    vocab_size: int
+    static_offset: Optional[int]
+    blocks: Optional["Blocks"] = None
+    chip: Any = None
+    interpret: Any = False
+    owner: str = ""
+
+    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None) -> SweepOut:
+        """One sweep in ``mode`` of rows a [M, D] against e [V_local, D] (b [V_local] or None) whose
+        row 0 has global id ``vocab_offset``; r [M] f32 scales the gradient rows (grad modes), ``fwd``
+        is the forward's value [M] for a recompute."""
+        return self.run(mode, a, e, b, r, vocab_offset, self, fwd)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -172,14 +218,14 @@ def cast_grads(a, e, b, da, de, db, scale):
 
 # ----------------------------------------------------------------- scalar loss, fused
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def background_total(a, e, b, r, vocab_offset, plan):
-    """Σ_i r_i·bg_i (f32 scalar) and predicted counts [M] f32 (or None).
+def sweep_total(a, e, b, r, vocab_offset, plan):
+    """(Σ_i r_i·value_i f32 scalar, aux) of one sweep (`SweepOut`), with the fused VJP.
 
     a [M, D], e [V_local, D], b [V_local] or None, r [M] f32 row scales,
     vocab_offset: global id of e's row 0 (int or int32 scalar).
     """
-    bg, cnt, *_ = plan.sweep("loss", a, e, b, None, vocab_offset)
-    return jnp.sum(r * bg), cnt
+    out = plan.sweep("loss", a, e, b, None, vocab_offset)
+    return jnp.sum(r * out.value), out.aux
 
 
 def _total_fwd(a, e, b, r, vocab_offset, plan):
@@ -194,19 +240,19 @@ def _total_bwd(plan, res, cts):
     return ga, ge, gb, (g * bg).astype(jnp.float32), None
 
 
-background_total.defvjp(_total_fwd, _total_bwd)
+sweep_total.defvjp(_total_fwd, _total_bwd)
 
 
-# ----------------------------------------------------------------- per-row loss, recompute
+# ----------------------------------------------------------------- per-row values, recompute
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def background_rows(a, e, b, vocab_offset, plan):
-    """Per-row background bg [M] f32 and predicted counts [M] f32 (or None)."""
-    bg, cnt, *_ = plan.sweep("loss", a, e, b, None, vocab_offset)
-    return bg, cnt
+def sweep_rows(a, e, b, vocab_offset, plan):
+    """(value [M] f32, aux) of one sweep (`SweepOut`), differentiable in value by recomputation."""
+    out = plan.sweep("loss", a, e, b, None, vocab_offset)
+    return out.value, out.aux
 
 
 def _rows_fwd(a, e, b, vocab_offset, plan):
-    bg, cnt = background_rows(a, e, b, vocab_offset, plan)
+    bg, cnt = sweep_rows(a, e, b, vocab_offset, plan)
     return (bg, cnt), (a, e, b, vocab_offset, bg)
 
 
@@ -217,4 +263,4 @@ def _rows_bwd(plan, res, cts):
     return ga, ge, gb, None
 
 
-background_rows.defvjp(_rows_fwd, _rows_bwd)
+sweep_rows.defvjp(_rows_fwd, _rows_bwd)

@@ -43,6 +43,12 @@ def valid_targets(targets, pad_id: int, vocab_size: int):
     return ids, first & (ids != pad_id) & (ids >= 0) & (ids < vocab_size)
 
 
+def rows_with_targets(targets, w, pad_id: int, vocab_size: int):
+    """The weights w [M] of the positions with at least one valid target, 0 elsewhere."""
+    _, valid = valid_targets(targets, pad_id, vocab_size)
+    return jnp.where(jnp.any(valid, axis=-1), w, 0.0)
+
+
 def invalid_count(targets, pad_id: int, vocab_size: int):
     """Number of entries of ``targets`` that are neither ``pad_id`` nor in [0, vocab_size)."""
     t = targets.astype(jnp.int32)

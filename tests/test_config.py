@@ -177,16 +177,16 @@ def test_one_loss_mapping_serves_every_plugin():
     from recloss_plugins import maxtext
     from recloss_plugins.flax import resolve_config
 
-    cfg = load_config([str(BASE), "loss=dense_bce", "loss_block_v=0", "loss_block_n=32", "label_smoothing=0.1",
-                       "pos_weight=2", "focal_gamma=1", "focal_alpha=0.25", "loss_threshold=-0.5",
-                       "loss_interpret=true", "vocab_reduction=sum"])
+    cfg = load_config([str(BASE), "loss=cutbce_pallas", "loss_block_v=0", "loss_block_n=32",
+                       "label_smoothing=0.1", "pos_weight=2", "focal_gamma=1", "focal_alpha=0.25",
+                       "loss_threshold=-0.5", "loss_interpret=true", "vocab_reduction=sum"])
     values = {key: cfg[key] for key in LOSS_OPTION_KEYS if key in SCHEMA}
     assert len(values) == 15  # every loss option of the trainer's config (4 of them the sampled objective's)
     trainer = loss_options(cfg)
     assert resolve_config({"loss": cfg.loss, **values}) == \
-        ("dense_bce", trainer.replace(pad_id=recloss.LossOptions().pad_id))
+        ("cutbce_pallas", trainer.replace(pad_id=recloss.LossOptions().pad_id))
     assert maxtext.loss_settings(types.SimpleNamespace(loss=cfg.loss, **values)) == \
-        ("dense_bce", trainer.replace(reduction="sum", pad_id=maxtext.FIELDS["loss_pad_id"].default))
+        ("cutbce_pallas", trainer.replace(reduction="sum", pad_id=maxtext.FIELDS["loss_pad_id"].default))
 
 
 def test_base_yml_loss_defaults_are_the_loss_options_defaults():

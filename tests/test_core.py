@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import recloss
 from conftest import strategies
-from oracle import bce_oracle, f64, labels_and_invalid, pq_terms
+from oracle import bce_oracle, f64, labels_and_invalid, options_for, pq_terms
 
 STRATEGIES = strategies()
 COUNTS = ("tp", "fp", "fn", "tn")
@@ -97,7 +97,7 @@ def run_loss(strategy, case, opts, cot=None, *, evaluate=True):
     def call(args, targets):
         kw = dict(zip(names, args))
         return recloss.bce_loss(kw["hidden"], kw["table"], targets, kw.get("weights"), kw.get("bias"),
-                                strategy=strategy, **opts)
+                                strategy=strategy, **options_for(strategy, opts))
 
     def objective(args, targets):
         out = call(args, targets)

@@ -209,7 +209,7 @@ def test_head_built_from_loss_options(rng):
     # Keyword options override the LossOptions; a ready Strategy is accepted as is.
     assert MultiLabelHead(67, 8, options=options, pos_weight=3.0, rngs=nnx.Rngs(0)).options == \
         options.replace(pos_weight=3.0)
-    strat = recloss.get_strategy("dense_bce", options)
+    strat = recloss.get_strategy("cutbce", options)
     assert MultiLabelHead(67, 8, strategy=strat, rngs=nnx.Rngs(0)).strategy is strat
     linen_head = LinenMultiLabelHead(num_items=67, features=8, options=options)
     assert linen_head.loss_strategy.options == options

@@ -63,11 +63,11 @@ def _dense_sum(x, targets, weights, opts: recloss.LossOptions, v):
 
 # ------------------------------------------------------------------ config keys (no MaxText)
 def test_loss_settings_map_config_keys():
-    cfg = _config(loss="dense_bce", loss_block_v=0, loss_block_n=64, vocab_reduction="sum",
+    cfg = _config(loss="cutbce_pallas", loss_block_v=0, loss_block_n=64, vocab_reduction="sum",
                   label_smoothing=0.1, pos_weight=2.0, focal_gamma=1.0, focal_alpha=0.25, loss_threshold=0.5,
                   loss_interpret=True, loss_pad_id=0)
     name, opts = rm.loss_settings(cfg)
-    assert name == "dense_bce"
+    assert name == "cutbce_pallas"
     assert opts == recloss.LossOptions(reduction="sum", vocab_reduction="sum", block_v=None, block_n=64,
                                        label_smoothing=0.1, pos_weight=2.0, focal_gamma=1.0, focal_alpha=0.25,
                                        threshold=0.5, interpret=True, pad_id=0, compute_metrics=True)
@@ -257,8 +257,9 @@ SOFTMAX = strategies("softmax")
 
 
 def _blocks(loss, **blocks):
-    """``blocks`` (loss_block_v=...) for the pure-JAX strategies; a Pallas kernel picks its own (128-lane) blocks."""
-    return {} if loss.endswith("_pallas") else blocks
+    """``blocks`` (loss_block_v=...) for the blocked pure-JAX strategies; a Pallas kernel picks its own
+    (128-lane) blocks and a dense baseline has none."""
+    return blocks if loss in ("cutbce", "cutce") else {}
 
 
 def _token_ce(x, targets, mask, z_loss=0.0):

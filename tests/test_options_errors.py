@@ -282,3 +282,24 @@ def test_builtin_strategies_know_their_platforms(strategy):
     assert s.name == strategy
     assert s.supported_on("cpu")         # all of them run here (Pallas via interpret mode)
     assert not s.supported_on("quantum")
+
+
+# ------------------------------------------------------------------------- options a strategy ignores
+@pytest.mark.parametrize("strategy,option", [
+    ("dense_bce", dict(interpret=True)), ("dense_ce", dict(interpret=False)), ("cutbce", dict(interpret=True)),
+    ("cutce", dict(interpret=True)), ("dense_bce", dict(block_v=128)), ("dense_ce", dict(block_n=8)),
+    ("gbce", dict(label_smoothing=0.1)), ("sampled_softmax", dict(block_v=128)), ("gbce", dict(interpret=True)),
+])
+def test_an_option_the_strategy_ignores_is_an_error_naming_it(strategy, option):
+    (name, value), = option.items()
+    with pytest.raises(ValueError) as info:
+        recloss.get_strategy(strategy, **option)
+    msg = str(info.value)
+    assert repr(strategy) in msg and f"{name}={value!r}" in msg, msg
+
+
+def test_interpret_and_block_sizes_belong_to_the_strategies_that_use_them():
+    for name in recloss.available_strategies():
+        takes = recloss.get_strategy(name).options_supported
+        assert ("interpret" in takes) == name.endswith("_pallas"), name
+        assert ("block_v" in takes) == ("block_n" in takes) == name.startswith("cut"), name

@@ -16,6 +16,7 @@ import recloss
 from recloss.pallas import strategy as pallas_strategy
 from recloss.bce.strategies import CutBCEPallas
 from recloss.pallas import tiling
+from recloss.shard import VocabShard
 
 pytestmark = pytest.mark.filterwarnings("ignore:strategy 'cutbce_pallas' is running")
 
@@ -104,7 +105,7 @@ def test_multiple_blocks_row_chunks_and_vocab_size(rng):
     # over 300 rows → 3 vocab blocks, the last partial; rows ≥ 263 are padding.
     hidden, table, targets, weights, b = _inputs(rng, (30,), 300, 37, weights=True)
     s = recloss.get_strategy("cutbce_pallas", block_n=8, block_v=128, vocab_size=263)
-    t = tiling.choose("fused", 30, 300, 37, jnp.float32, jnp.float32, s.options, bias=True,
+    t = tiling.choose(("bce", "fused"), 30, 300, 37, jnp.float32, jnp.float32, s.options, bias=True,
                       chip=tiling.get_chip())
     assert (t.num_chunks, t.bv, -(-300 // t.bv)) == (4, 128, 3)
     (loss, _), (ga, ge, gb) = _compare_to_cutbce(s, hidden, table, targets, weights, b)
@@ -121,7 +122,7 @@ def test_two_core_split(rng):
     hidden, table, targets, weights, b = _inputs(rng, (21,), 300, 40)
     for block_n in (None, 8):
         s = CutBCEPallas(recloss.LossOptions(block_v=128, block_n=block_n, reduction="sum"), chip="v5p")
-        t = tiling.choose("fused", 21, 300, 40, jnp.float32, jnp.float32, s.options, bias=True,
+        t = tiling.choose(("bce", "fused"), 21, 300, 40, jnp.float32, jnp.float32, s.options, bias=True,
                           chip=tiling.get_chip("v5p"))
         assert t.cores == 2
         _compare_to_cutbce(s, hidden, table, targets, weights, b)
@@ -137,9 +138,8 @@ def test_traced_vocab_offset_under_jit(rng):
     pallas, ref = CutBCEPallas(opts), recloss.get_strategy("cutbce", opts)
 
     def total(strategy, h, e, bb, rr, offset):
-        loss, pred = strategy.background(h, e, bb, rr, offset, vocab_size=vocab_size, scalar=True,
-                                         platform="cpu")
-        return loss, pred
+        shard = VocabShard(e, bb, offset, vocab_size, "cpu")
+        return shard.sweep(strategy.plan(h.shape[0], shard), h, rr)
 
     for offset in (0, 300):   # shard fully inside, and straddling vocab_size (rows ≥ 150 inert)
         fn = lambda s: jax.jit(jax.value_and_grad(lambda *a: total(s, *a), argnums=(0, 1, 2, 3),

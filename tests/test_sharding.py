@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import recloss
 from conftest import strategies
+from oracle import options_for
 from recloss import sharding
 
 AXES = ("data", "fsdp", "vocab")
@@ -66,7 +67,7 @@ def loss_and_grads(strategy, inputs, layout, cot=None, **opts):
 
     def f(h, e, b):
         out = recloss.bce_loss(h, e, inputs["targets"], inputs["weights"], b, strategy=strategy,
-                               layout=layout, **opts)
+                               layout=layout, **options_for(strategy, opts))
         scalar = out.loss if cot is None else jnp.sum(out.loss * cot)
         return scalar, out
 

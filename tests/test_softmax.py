@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 import recloss
 import test_core as core
 from conftest import strategies
-from oracle import f64, softmax_oracle
+from oracle import f64, options_for, softmax_oracle
 
 STRATEGIES = strategies("softmax")
 
@@ -29,7 +29,7 @@ def run(strategy, case, opts, cot=None):
     def call(args, targets):
         kw = dict(zip(names, args))
         return recloss.softmax_loss(kw["hidden"], kw["table"], targets, kw.get("weights"), kw.get("bias"),
-                                    strategy=strategy, **opts)
+                                    strategy=strategy, **options_for(strategy, opts))
 
     def objective(args, targets):
         out = call(args, targets)
@@ -168,7 +168,8 @@ def test_single_label_equals_optax(strategy, rng):
     t = jnp.asarray(rng.integers(0, 777, size=(3, 37, 1)), jnp.int32)
 
     def ours(h, e, b):
-        return recloss.softmax_loss(h, e, t, bias=b, strategy=strategy, block_v=128, block_n=24).loss
+        return recloss.softmax_loss(h, e, t, bias=b, strategy=strategy,
+                                    **options_for(strategy, dict(block_v=128, block_n=24))).loss
 
     def theirs(h, e, b):
         return optax.softmax_cross_entropy_with_integer_labels(h @ e.T + b, t[..., 0]).mean()

@@ -17,6 +17,8 @@ import pytest
 
 import recloss
 from recloss.pallas import strategy as pallas_strategy, tiling
+from recloss import sweep
+from recloss.shard import VocabShard
 from recloss.softmax import cut, kernel, partition
 from recloss.softmax.strategies import CutCEPallas
 from test_pallas import _pallas_calls   # one walker of nested jaxprs for both kernels' tests
@@ -34,9 +36,10 @@ def _arrays(rng, m, v, d, dtype=jnp.float32, bias=True):
 
 def _plans(m, v, opts, *, vocab_size, offset, chip=None):
     static = offset if isinstance(offset, int) else None
-    mode = True
-    k = kernel.Plan(opts, vocab_size, static, tiling.get_chip(chip), mode)
-    c = cut.plan(m, v, opts, vocab_size=vocab_size, static_offset=static)
+    k = sweep.Plan(kernel.sweep, "lse", opts, vocab_size, static, chip=tiling.get_chip(chip), interpret=True)
+    c = sweep.Plan(cut.sweep, "lse", opts, vocab_size, static,
+                   blocks=sweep.blocks(m, v, block_v=opts.block_v, block_n=opts.block_n, vocab_size=vocab_size,
+                                       static_offset=static))
     return k, c
 
 
@@ -109,7 +112,7 @@ def test_partial_blocks_and_row_chunks_match_cutce(rng, metrics):
     # block_n=8 over 30 rows → 4 row chunks (dE accumulated in HBM); block_v=128 over 300
     # columns → 3 blocks, the last partial; columns ≥ 263 are padding; τ = 0.5.
     opts = recloss.LossOptions(block_n=8, block_v=128, temperature=0.5, compute_metrics=metrics)
-    for mode in ("softmax_loss", "softmax_grad"):
+    for mode in (("softmax", "loss"), ("softmax", "grad")):
         t = tiling.choose(mode, 30, 300, 37, jnp.float32, jnp.float32, opts, bias=True,
                           chip=tiling.get_chip())
         assert (t.num_chunks, t.bv, -(-300 // t.bv)) == (4, 128, 3)
@@ -129,7 +132,7 @@ def test_two_core_split(rng, block_n):
     # core's last step has no block), with and without row chunks; the lanes of both cores are
     # combined outside the kernel (max, rescaled sums, first argmax).
     opts = recloss.LossOptions(block_v=128, block_n=block_n, reduction="sum")
-    t = tiling.choose("softmax_loss", 21, 300, 40, jnp.float32, jnp.float32, opts, bias=True,
+    t = tiling.choose(("softmax", "loss"), 21, 300, 40, jnp.float32, jnp.float32, opts, bias=True,
                       chip=tiling.get_chip("v5p"))
     assert t.cores == 2 and (t.num_chunks > 1) == (block_n is not None)
     _compare_plans(rng, 21, 300, 40, opts, chip="v5p", vocab_size=290)
@@ -219,7 +222,7 @@ def test_empty_rows_fall_back_to_cutce():
     h, e = jnp.zeros((0, 8), jnp.float32), jnp.ones((50, 8), jnp.float32)
     out = s(h, e, jnp.zeros((0, 2), jnp.int32))
     assert float(out.loss) == 0.0
-    p = s.log_partition(h, e, None, 0, vocab_size=50, platform="cpu")
+    p = s.log_partition(h, VocabShard.whole(e, None, vocab_size=50, platform="cpu"))
     assert p[0].shape == (0,)
 
 

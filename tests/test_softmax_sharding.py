@@ -11,6 +11,7 @@ import pytest
 import recloss
 import test_sharding as sh
 from conftest import strategies
+from oracle import options_for
 
 OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.7, block_v=128, block_n=8)
 # The BCE meshes, and a MaxText-style mesh whose vocab axis is called 'tensor'.
@@ -21,7 +22,7 @@ MESHES = [((8, 1, 1), {}), ((1, 8, 1), {}), ((1, 1, 8), {}), ((2, 2, 2), {}), ((
 def loss_and_grads(strategy, inputs, layout, cot=None, **opts):
     def f(h, e, b):
         out = recloss.softmax_loss(h, e, inputs["targets"], inputs["weights"], b, strategy=strategy,
-                                   layout=layout, **opts)
+                                   layout=layout, **options_for(strategy, opts))
         return (out.loss if cot is None else jnp.sum(out.loss * cot)), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(

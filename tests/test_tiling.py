@@ -21,21 +21,22 @@ def test_tiling_rules_and_budget(chip):
             assert t.vmem_bytes <= c.budget_bytes < c.vmem_limit_bytes <= c.vmem_bytes
             assert t.cores == min(c.cores, -(-v // t.bv))
     # Too many rows for one resident tile → several chunks, each within budget.
-    t = tiling.choose("fused", 65536, 100000, 256, jnp.float32, jnp.float32, opts, bias=True,
+    t = tiling.choose(("bce", "fused"), 65536, 100000, 256, jnp.float32, jnp.float32, opts, bias=True,
                       chip=tiling.CHIPS["v5p"])
     assert t.num_chunks > 1 and t.vmem_bytes <= tiling.CHIPS["v5p"].budget_bytes
 
 
 def test_modes_and_their_estimates():
-    assert set(tiling.MODES) == {"fused", "loss", "grad", "softmax_loss", "softmax_grad"}
-    assert {m.strategy for m in tiling.MODES.values()} == {"cutbce_pallas", "cutce_pallas"}
+    assert set(tiling.MODES) == {("bce", "fused"), ("bce", "loss"), ("bce", "grad"), ("softmax", "loss"),
+                                 ("softmax", "grad")}
     est = lambda mode, **kw: tiling.vmem_estimate(mode, 512, 256, 1024, 128, 4, 4, bias=True, **kw)
     # Gradient modes hold dA and dE_j; the softmax loss holds three lane vectors (max, sum-exp, id).
-    assert est("softmax_loss", accumulate=False) < est("softmax_grad", accumulate=False)
-    assert est("softmax_grad", accumulate=False) < est("softmax_grad", accumulate=True)
-    assert est("softmax_grad", accumulate=False) < est("grad", accumulate=False)   # fewer temporaries
+    sl, sg, bg = ("softmax", "loss"), ("softmax", "grad"), ("bce", "grad")
+    assert est(sl, accumulate=False) < est(sg, accumulate=False)
+    assert est(sg, accumulate=False) < est(sg, accumulate=True)
+    assert est(sg, accumulate=False) < est(bg, accumulate=False)   # fewer temporaries
     with pytest.raises(ValueError, match="mode must be one of"):
-        tiling.choose("softmax", 8, 128, 8, jnp.float32, jnp.float32, recloss.LossOptions(), bias=False,
+        tiling.choose("softmax_loss", 8, 128, 8, jnp.float32, jnp.float32, recloss.LossOptions(), bias=False,
                       chip=tiling.GENERIC)
 
 

@@ -59,7 +59,7 @@ def _tiling_under(topo, mode, shape, **opts):
 
 @pytest.mark.parametrize("topo", ["v5e-8", "v6e-8", "v5p-8"])
 def test_pallas_paper_shape_fits_one_chip(topo):
-    chip, t = _tiling_under(topo, "fused", PAPER)
+    chip, t = _tiling_under(topo, ("bce", "fused"), PAPER)
     assert chip.name == CHIP_OF[topo]
     print(f"\n{topo}: chip {chip.name}, {chip.cores} core(s), VMEM limit {chip.vmem_limit_bytes >> 20} MiB; "
           f"fused tiles bn={t.bn} bs={t.bs} bv={t.bv} chunks={t.num_chunks} cores={t.cores} "
@@ -128,7 +128,7 @@ def test_reduction_none_compiles_loss_and_grad_kernels():
     (topology.Shape(64, 256, 128, 876_939), "16384 rows: row-chunk loop", True),
 ], ids=["bf16", "d256", "row_chunks"])
 def test_pallas_other_shapes_v6e(shape, label, chunked):
-    chip, t = _tiling_under("v6e-8", "fused", shape)
+    chip, t = _tiling_under("v6e-8", ("bce", "fused"), shape)
     print(f"\nv6e {label}: bn={t.bn} bs={t.bs} bv={t.bv} chunks={t.num_chunks}")
     assert (t.num_chunks > 1) == chunked
     compiled = topology.compile_loss_grad("cutbce_pallas", "v6e-8", shape)
@@ -159,7 +159,7 @@ def test_topology_rows_cells():
 @pytest.mark.parametrize("topo", ["v5e-8", pytest.param("v6e-8", marks=pytest.mark.slow),
                                   pytest.param("v5p-8", marks=pytest.mark.slow)])
 def test_cutce_pallas_paper_shape_fits_one_chip(topo):
-    for mode in ("softmax_loss", "softmax_grad"):
+    for mode in (("softmax", "loss"), ("softmax", "grad")):
         chip, t = _tiling_under(topo, mode, PAPER)
         print(f"\n{topo}: {mode} tiles bn={t.bn} bs={t.bs} bv={t.bv} chunks={t.num_chunks} "
               f"cores={t.cores} (~{t.vmem_bytes / 2**20:.1f} MiB of {chip.vmem_limit_bytes >> 20} MiB)")

@@ -17,6 +17,12 @@ import jax.numpy as jnp
 from recloss.options import LossOptions
 
 
+def background_coefficients(opts: LossOptions):
+    """(c_p, c_q) of the dense background Σ_v [c_p·P + c_q·Q]: (ε/2, 1 − ε/2) for label smoothing ε
+    (docs/design.md "The math"); the sparse correction's coefficient is 1 − ε."""
+    return opts.label_smoothing / 2.0, 1.0 - opts.label_smoothing / 2.0
+
+
 def bernoulli_terms(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = True):
     """Returns ``(cp·P(x) + cq·Q(x), d/dx of it)`` elementwise, in float32.
 
@@ -112,7 +118,6 @@ def elementwise_loss(x, y, opts: LossOptions):
     return ysoft * bernoulli_value(x, opts, 1.0, 0.0) + (1.0 - ysoft) * bernoulli_value(x, opts, 0.0, 1.0)
 
 
-
 def correction(target_logits, valid, opts: LossOptions):
     """The sparse part of the loss: Σ_{t∈T} (1 − ε)·[P(x_t) − Q(x_t)] per row.
 
@@ -122,7 +127,7 @@ def correction(target_logits, valid, opts: LossOptions):
     Returns:
       correction [M] float32, differentiable through ``target_logits``.
     """
-    c = opts.correction
+    c = 1.0 - opts.label_smoothing
     value = bernoulli_value(target_logits, opts, c, -c)
     return jnp.sum(jnp.where(valid, value, 0.0), axis=-1)
 

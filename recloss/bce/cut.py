@@ -6,8 +6,8 @@ The dense, target-free background of every position,
 
 is computed by walking the vocabulary in blocks of ``block_v`` rows of the
 table (lax.scan), each block in row tiles of ``block_n``, never holding more
-than ``block_n × block_v`` logits. `Plan.sweep` implements the modes of
-`recloss.sweep` ('loss', 'fused', 'grad'), which supplies the custom VJPs.
+than ``block_n × block_v`` logits. `sweep` implements the modes of
+`recloss.sweep` ('loss', 'fused', 'grad'), which supplies the plan and the custom VJPs.
 
 dE blocks are emitted by the scan (one write each), never a carried [V, D].
 """
@@ -15,35 +15,13 @@ dE blocks are emitted by the scan (one write each), never a carried [V, D].
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
-
 import jax
 import jax.numpy as jnp
 
 from recloss import sweep as sweep_lib
-from recloss.bce.bernoulli import bernoulli_parts
-from recloss.options import LossOptions
+from recloss.bce.bernoulli import background_coefficients, bernoulli_parts
 
 _MODES = {"loss": (True, False), "fused": (True, True), "grad": (False, True)}   # (want_loss, want_grad)
-
-
-class Plan(NamedTuple):
-    """Static configuration of one blocked BCE sweep (hashable: a custom-VJP static argument)."""
-    opts: LossOptions
-    blocks: sweep_lib.Blocks
-
-    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None):
-        """One sweep in ``mode`` ('loss', 'fused', 'grad'); see `recloss.sweep` (``fwd`` is unused: BCE's
-        gradient needs no forward value)."""
-        want_loss, want_grad = _MODES[mode]
-        return _sweep(a, e, b, r, vocab_offset, self, want_loss=want_loss, want_grad=want_grad)
-
-
-def plan(m: int, v_local: int, opts: LossOptions, *, vocab_size: int, static_offset: Optional[int]) -> Plan:
-    """The plan for M rows and a V_local-row table: block sizes from `recloss.sweep.blocks`
-    (``opts.block_v``/``block_n`` win when set)."""
-    return Plan(opts, sweep_lib.blocks(m, v_local, block_v=opts.block_v, block_n=opts.block_n,
-                                       vocab_size=vocab_size, static_offset=static_offset))
 
 
 def _fence(e_j):
@@ -58,17 +36,20 @@ def _fence(e_j):
     return jax.lax.bitcast_convert_type(u, jnp.float32)
 
 
-def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: bool):
-    """One pass over vocab blocks for rows a [M, D] (`recloss.sweep.blocked`).
+def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+    """One blocked pass over vocab blocks for rows a [M, D] in ``mode`` ('loss', 'fused', 'grad'):
+    the `recloss.sweep.Plan.run` of the `cutbce` plan, on `recloss.sweep.blocked`.
 
-    r [M] scales each row's gradient (unused, and may be None, when want_grad is False).
-    Returns (bg rows [M] f32, predicted-positive rows [M] f32, dA [M, D] f32,
+    r [M] scales each row's gradient (unused, and may be None, in 'loss' mode); ``fwd`` is unused
+    (BCE's gradient needs no forward value).
+    Returns SweepOut(bg rows [M] f32, predicted-positive rows [M] f32, dA [M, D] f32,
     dE [V_local, D] f32, db [V_local] f32 or None); entries not asked for are None.
     """
+    want_loss, want_grad = _MODES[mode]
     opts = p.opts
     d = a.shape[1]
     cdt = jnp.promote_types(a.dtype, e.dtype)
-    cp, cq = opts.background_p, opts.background_q
+    cp, cq = background_coefficients(opts)
     count = want_loss and opts.compute_metrics
 
     def tile(a_s, rows_s, e_j, b_j, live, col0):
@@ -111,4 +92,5 @@ def _sweep(a, e, b, r, vocab_offset, p: Plan, *, want_loss: bool, want_grad: boo
             emit["db"] = ()
     rows = {"r": r} if want_grad else {}
     carry, outs = sweep_lib.blocked(a, e, b, rows, vocab_offset, p.blocks, tile=tile, init=init, emit=emit)
-    return carry.get("bg"), carry.get("pred"), carry.get("da"), outs.get("de"), outs.get("db")
+    return sweep_lib.SweepOut(carry.get("bg"), carry.get("pred"), carry.get("da"), outs.get("de"),
+                              outs.get("db"))

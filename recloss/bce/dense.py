@@ -24,7 +24,7 @@ def dense_bce(hidden, table, bias, targets, row_weights, opts: LossOptions, *, v
       each position's (already vocab-reduced) loss.
       vocab_offset: global id of table row 0. vocab_size: the real V.
     Returns:
-      (weighted loss rows [M], per-row metric counts dict) — see `targets.row_counts`.
+      (weighted loss rows [M], per-row counts {predicted, tp, targets} [M] f32 for `metrics.cut_metrics`).
     """
     m, v_local = hidden.shape[0], table.shape[0]
     logits = jnp.dot(hidden, table.T, preferred_element_type=jnp.float32)

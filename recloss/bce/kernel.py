@@ -2,7 +2,7 @@
 
 The background of rows a_i [M, D] against a table shard E [V_local, D],
 
-    bg_i = Σ_v [ cp·P(x_iv) + cq·Q(x_iv) ],   x_iv = a_i·e_v + b_v,   cp, cq = opts.background_p/_q,
+    bg_i = Σ_v [ cp·P(x_iv) + cq·Q(x_iv) ],   x_iv = a_i·e_v + b_v,   (cp, cq) = background_coefficients,
 
 is computed by one `pallas_call` per row chunk whose grid is
 ``(cores, vocab blocks per core)``: the row tile A [bn, D] and the
@@ -31,35 +31,19 @@ supplies the per-tile math.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
-
 import jax.numpy as jnp
 
-from recloss.bce.bernoulli import bernoulli_terms
+from recloss import sweep as sweep_lib
+from recloss.bce.bernoulli import background_coefficients, bernoulli_terms
 from recloss.options import LossOptions
 from recloss.pallas import grid, tiling
-
-_LANES = tiling.LANES
-
-
-class Plan(NamedTuple):
-    """Static configuration of one background evaluation (hashable: a custom-VJP static argument)."""
-    opts: LossOptions
-    vocab_size: int                  # real V (global); columns at or past it are inert
-    static_offset: Optional[int]     # vocab_offset when it is a Python int, else None
-    chip: tiling.Chip
-    interpret: Any                   # False, True or a pltpu.InterpretParams
-
-    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None):
-        """One kernel sweep in ``mode``; see `sweep` below and `recloss.sweep` (``fwd`` is unused)."""
-        return sweep(mode, a, e, b, r, vocab_offset, self)
 
 
 def _transcendentals(opts: LossOptions, grad: bool) -> int:
     """Transcendental ops per logit: exp and log1p, a reciprocal for σ, powers for focal terms."""
     n = 2 + (1 if (grad or opts.focal_gamma != 0.0) else 0)
     if opts.focal_gamma != 0.0:
-        n += (opts.background_p != 0.0) + (opts.background_q != 0.0)
+        n += sum(c != 0.0 for c in background_coefficients(opts))
     return n
 
 
@@ -68,7 +52,7 @@ def _spec(mode: str, opts: LossOptions) -> grid.Spec:
     grad = mode in ("fused", "grad")
     loss = mode in ("fused", "loss")
     count = loss and opts.compute_metrics
-    cp, cq = opts.background_p, opts.background_q
+    cp, cq = background_coefficients(opts)
 
     def tile(st: grid.Step):
         x, live, ref, rows = st.x, st.live, st.ref, st.rows
@@ -91,11 +75,12 @@ def _spec(mode: str, opts: LossOptions) -> grid.Spec:
                      transcendentals=_transcendentals(opts, grad))
 
 
-def sweep(mode: str, a, e, b, r, vocab_offset, plan: Plan):
-    """The background of rows ``a`` [M, D] against ``e`` [V_local, D] in one kernel sweep.
+def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+    """The background of rows ``a`` [M, D] against ``e`` [V_local, D] in one kernel sweep: the
+    `recloss.sweep.Plan.run` of the `cutbce_pallas` plan (``fwd`` is unused).
 
     ``r`` [M] f32 scales each row's gradient (grad modes only). Returns
-    (bg [M] f32, predicted counts [M] f32, dA [M, D] f32, dE [V_local, D],
+    SweepOut(bg [M] f32, predicted counts [M] f32, dA [M, D] f32, dE [V_local, D],
     db [V_local] f32); entries the mode does not produce are None. dE is f32,
     or the table's dtype when one row chunk covers all rows (the sum over rows
     is then complete in f32 before the single rounding).
@@ -103,14 +88,15 @@ def sweep(mode: str, a, e, b, r, vocab_offset, plan: Plan):
     opts = plan.opts
     m, d = a.shape
     v = e.shape[0]
-    t = tiling.choose(mode, m, v, d, a.dtype, e.dtype, opts, bias=b is not None, chip=plan.chip)
+    t = tiling.choose(("bce", mode), m, v, d, a.dtype, e.dtype, opts, bias=b is not None, chip=plan.chip,
+                      who=plan.owner)
     grad = mode in ("fused", "grad")
     loss = mode in ("fused", "loss")
     res = grid.sweep(_spec(mode, opts), t, a, e, b, vocab_offset, rows=[("r", r, 0.0)] if grad else [],
                      vocab_size=plan.vocab_size, static_offset=plan.static_offset,
                      interpret=plan.interpret)
-    bg = res.summed("bg", _LANES).sum(-1) if loss else None
-    cnt = res.summed("cnt", _LANES).sum(-1) if "cnt" in res.per_chunk else None
+    bg = res.summed("bg", tiling.LANES).sum(-1) if loss else None
+    cnt = res.summed("cnt", tiling.LANES).sum(-1) if "cnt" in res.per_chunk else None
     da = res.summed("da", d) if grad else None
     de, db = res.table_grads()
-    return bg, cnt, da, de, db
+    return sweep_lib.SweepOut(bg, cnt, da, de, db)

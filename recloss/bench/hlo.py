@@ -65,7 +65,8 @@ def compile_case(strategy: str, variant: str, mesh_name: str):
     layout = None
     if mesh_name == "v6e1":
         mesh = topology.one_chip_mesh("v6e-8")
-        options = dict(options, interpret=False)
+        if strategy.endswith("_pallas"):
+            options = dict(options, interpret=False)
     elif mesh_name == "cpu1":
         mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("chip",))
     else:

@@ -119,8 +119,10 @@ def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: 
             jax.ShapeDtypeStruct((shape.B, shape.N, shape.L), jnp.int32, sharding=rep)]
     if with_bias:
         args.append(jax.ShapeDtypeStruct((shape.V,), dt, sharding=rep))
-    options.setdefault("interpret", False)      # Pallas strategies: compile the kernel for the TPU
-    entry = recloss.softmax_loss if recloss.get_strategy(strategy).objective == "softmax" else recloss.bce_loss
+    spec = recloss.get_strategy(strategy)
+    if "interpret" in spec.options_supported:
+        options.setdefault("interpret", False)      # Pallas strategies: compile the kernel for the TPU
+    entry = recloss.softmax_loss if spec.objective == "softmax" else recloss.bce_loss
 
     def loss(h, e, t, *maybe_bias):
         bias = maybe_bias[0] if maybe_bias else None

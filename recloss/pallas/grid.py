@@ -40,20 +40,18 @@ from jax.experimental.pallas import tpu as pltpu
 from recloss._compat import tpu_compiler_params
 from recloss.pallas import tiling
 
-LANES = tiling.LANES
-
 
 def lane_fold(x):
     """[rows, k·128] → [rows, 128] by adding lane-aligned column groups (no cross-lane work)."""
-    acc = x[:, :LANES]
-    for k in range(1, x.shape[1] // LANES):
-        acc = acc + x[:, k * LANES:(k + 1) * LANES]
+    acc = x[:, :tiling.LANES]
+    for k in range(1, x.shape[1] // tiling.LANES):
+        acc = acc + x[:, k * tiling.LANES:(k + 1) * tiling.LANES]
     return acc
 
 
 def lane_groups(x):
     """The lane-aligned [rows, 128] column groups of ``x`` [rows, k·128], in column order."""
-    return [x[:, k * LANES:(k + 1) * LANES] for k in range(x.shape[1] // LANES)]
+    return [x[:, k * tiling.LANES:(k + 1) * tiling.LANES] for k in range(x.shape[1] // tiling.LANES)]
 
 
 class RowOut(NamedTuple):
@@ -129,7 +127,7 @@ def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vo
         *((n, x, resident(1)) for n, x in row_in),
         ("de_in", de_in, col()), ("db_in", db_in, lane())) if x is not None]
     f32 = jnp.float32
-    outputs = [(o.name, jax.ShapeDtypeStruct((cores, bn, LANES), o.dtype), per_core(LANES))
+    outputs = [(o.name, jax.ShapeDtypeStruct((cores, bn, tiling.LANES), o.dtype), per_core(tiling.LANES))
                for o in spec.row_out]
     outputs += [(n, jax.ShapeDtypeStruct(shape, dt), spec_) for n, shape, dt, spec_, want in (
         ("da", (cores, bn, dp), f32, per_core(dp), grad),

@@ -6,6 +6,10 @@ one-time warning when a kernel runs in interpret mode.
 
     class CutCEPallas(PallasStrategy, CutCE):
         name, fallback = "cutce_pallas", "cutce"
+        kernel_sweep = staticmethod(kernel.sweep)
+
+Its `plan` runs ``kernel_sweep`` (the objective's kernel, a `recloss.sweep.Plan.run`) instead of the
+blocked strategy's pure-JAX sweep, except with no rows, where a kernel grid has nothing to walk.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import threading
 import warnings
 from typing import Any, Optional
 
+from recloss import sweep
 from recloss.options import LossOptions
 from recloss.pallas import tiling
 
@@ -49,6 +54,7 @@ class PallasStrategy:
     platforms = ("cpu", "tpu")
     fallback: str = ""           # the pure-JAX strategy of the same math
     fallback_note: str = "blocked pure JAX, same math"
+    kernel_sweep = None          # staticmethod: the objective's kernel sweep
 
     def __init__(self, options: LossOptions, *, chip: Optional[str] = None, interpret_params: Any = None):
         super().__init__(options)
@@ -78,3 +84,12 @@ class PallasStrategy:
             warn_interpret_once(self.name, self.fallback, stacklevel=4)
         mode = (self.interpret_params or True) if interpret else False
         return tiling.get_chip(self.chip), mode
+
+    def plan(self, m: int, shard) -> sweep.Plan:
+        """The kernel plan for M rows on ``shard`` (`recloss.shard.VocabShard`); with no rows the
+        blocked strategy's pure-JAX plan, which gives the empty sums."""
+        if m == 0:
+            return super().plan(m, shard)
+        chip, mode = self.kernel_config(shard.platform)
+        return sweep.Plan(self.kernel_sweep, self.combine, self.options, int(shard.vocab_size),
+                          shard.static_offset, chip=chip, interpret=mode, owner=self.name)

@@ -16,8 +16,8 @@ chunks in HBM. Sizes follow the (8, 128) tiling rule: bv is a multiple of 128
 (it is the lane dimension of the bias/db blocks), bn a multiple of 8 rows (16
 for 16-bit hidden states, which pack two rows per sublane).
 
-Modes (`MODES`): the BCE kernel's 'fused', 'loss', 'grad' and the softmax
-kernel's 'softmax_loss', 'softmax_grad'.
+Modes (`MODES`, keyed by (objective, sweep mode)): ('bce', 'fused'), ('bce', 'loss'),
+('bce', 'grad') and ('softmax', 'loss'), ('softmax', 'grad').
 """
 
 from __future__ import annotations
@@ -45,21 +45,21 @@ _BS_TARGET = 512
 @dataclasses.dataclass(frozen=True)
 class Mode:
     """What the VMEM estimate needs to know about one kernel mode."""
-    strategy: str        # the strategy whose kernel runs it (named in errors)
     grad: bool           # dA resident, dE_j/db_j written per block
     row_vectors: int     # per-row vectors resident as [bn, 128] f32 lanes
     temps: int           # logit-shaped [bs, bv] f32 temporaries alive at once
 
 
+# Keyed by (objective, sweep mode).
 MODES = {
     # BCE (recloss.bce.kernel): bg, counts (loss modes); r (gradient modes).
-    "fused": Mode("cutbce_pallas", True, 3, 10),
-    "loss": Mode("cutbce_pallas", False, 2, 6),
-    "grad": Mode("cutbce_pallas", True, 1, 9),
+    ("bce", "fused"): Mode(True, 3, 10),
+    ("bce", "loss"): Mode(False, 2, 6),
+    ("bce", "grad"): Mode(True, 1, 9),
     # Softmax (recloss.softmax.kernel): running max, sum-exp, argmax; r and lse for the recompute.
     # Temporaries: x, x/τ masked, exp (loss); x, x/τ, exp(x − lse), G, G cast (grad).
-    "softmax_loss": Mode("cutce_pallas", False, 3, 4),
-    "softmax_grad": Mode("cutce_pallas", True, 2, 6),
+    ("softmax", "loss"): Mode(False, 3, 4),
+    ("softmax", "grad"): Mode(True, 2, 6),
 }
 
 
@@ -182,7 +182,7 @@ def sublanes(dtype) -> int:
     return 8 * max(1, 4 // np.dtype(dtype).itemsize)
 
 
-def vmem_estimate(mode: str, bn: int, bs: int, bv: int, d_pad: int, a_bytes: int, e_bytes: int, *,
+def vmem_estimate(mode: tuple, bn: int, bs: int, bv: int, d_pad: int, a_bytes: int, e_bytes: int, *,
                   bias: bool, accumulate: bool) -> int:
     """VMEM bytes one kernel call needs (per TensorCore), pipelined blocks double-buffered."""
     spec = MODES[mode]
@@ -204,10 +204,11 @@ def _inner_rows(bn: int, sub: int) -> int:
     return best
 
 
-def choose(mode: str, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: LossOptions, *,
-           bias: bool, chip: Chip) -> Tiling:
-    """Block sizes for ``mode`` (one of `MODES`: 'fused' = BCE loss+grads, 'loss', 'grad',
-    'softmax_loss', 'softmax_grad') on ``chip``.
+def choose(mode: tuple, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: LossOptions, *,
+           bias: bool, chip: Chip, who: str = "") -> Tiling:
+    """Block sizes for ``mode`` on ``chip``: a key of `MODES`, (objective, sweep mode), e.g.
+    ('bce', 'fused') for BCE's loss and gradients in one sweep or ('softmax', 'grad'). ``who``
+    (the strategy's name) is named in errors.
 
     Explicit ``opts.block_n`` / ``opts.block_v`` are used as given (clamped to
     the problem size) and must obey the tiling rule and fit the VMEM budget:
@@ -217,7 +218,7 @@ def choose(mode: str, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Loss
     if mode not in MODES:
         raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
     spec = MODES[mode]
-    who = spec.strategy
+    who = who or f"the {mode[0]} kernel's {mode[1]!r} sweep"
     a_bytes, e_bytes = np.dtype(a_dtype).itemsize, np.dtype(e_dtype).itemsize
     sub = sublanes(a_dtype)
     d_pad = _round_up(d, LANES)
@@ -252,7 +253,7 @@ def choose(mode: str, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Loss
         if need > budget:
             raise ValueError(
                 f"LossOptions.block_n={opts.block_n}, block_v={opts.block_v} need about "
-                f"{need / MiB:.1f} MiB of VMEM for {who} (D={d}, mode {mode!r}), over {where}; "
+                f"{need / MiB:.1f} MiB of VMEM for {who} (D={d}), over {where}; "
                 f"choose smaller blocks or leave them None to size them automatically")
         return Tiling(bn, bs, bv, chunks, _cores(chip, v_local, bv), d_pad, need, chip)
 

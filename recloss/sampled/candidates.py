@@ -23,21 +23,23 @@ import jax.numpy as jnp
 from recloss.softmax.partition import NEG
 
 
-def candidate_logits(hidden, table, bias, ids, vocab_offset, reducer):
+def candidate_logits(hidden, ids, shard):
     """x[m, c] = hidden[m]·table[ids[c]] + bias[ids[c]] for global ids [C] shared by all rows.
 
-    Args: hidden [M, D], table [V_local, D] (first global id ``vocab_offset``), bias [V_local] or
-    None, ids [C] int32 global ids (an id no shard owns, e.g. −1, gives 0), reducer: sums the
-    vocab shards' parts. Returns [M, C] float32, differentiable in hidden, table, bias; O(M·C·D).
+    Args: hidden [M, D], ids [C] int32 global ids (an id no shard owns, e.g. −1, gives 0), shard:
+    the `recloss.shard.VocabShard` (table [V_local, D] from global id ``shard.offset``, bias, and
+    the sum over the vocab shards' parts). Returns [M, C] float32, differentiable in hidden, table,
+    bias; O(M·C·D).
     """
-    local = ids - vocab_offset
+    table, bias = shard.table, shard.bias
+    local = ids - shard.offset
     own = (local >= 0) & (local < table.shape[0])
     local = jnp.where(own, local, 0)
     rows = jnp.take(table, local, axis=0)                                     # [C, D]
     x = jnp.dot(hidden, rows.T, preferred_element_type=jnp.float32)
     if bias is not None:
         x = x + jnp.take(bias, local, axis=0).astype(jnp.float32)[None, :]
-    return reducer.vocab(jnp.where(own[None, :], x, 0.0))
+    return shard.vocab_sum(jnp.where(own[None, :], x, 0.0))
 
 
 def hits(target_ids, valid, ids):

@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from recloss import targets as targets_lib
+from recloss import metrics as metrics_lib, targets as targets_lib
 from recloss.sampled import candidates, sampler
-from recloss.strategy import Strategy
+from recloss.strategy import COMMON_OPTIONS, Strategy
 
-SAMPLED_OPTIONS = ("reduction", "pad_id", "compute_metrics", "vocab_size", "temperature", "num_negatives",
-                   "remove_accidental_hits")
+SAMPLED_OPTIONS = COMMON_OPTIONS + ("temperature", "num_negatives", "remove_accidental_hits")
 
 
 class SampledStrategy(Strategy):
@@ -78,48 +77,44 @@ class SampledStrategy(Strategy):
         return out
 
     def row_weights(self, targets, w, *, vocab_size):
-        _, valid = targets_lib.valid_targets(targets, self.options.pad_id, vocab_size)
-        return jnp.where(jnp.any(valid, axis=-1), w, 0.0)
+        return targets_lib.rows_with_targets(targets, w, self.options.pad_id, vocab_size)
 
     def rows(self, xt, valid, xn, live_n, extras, *, vocab_size):
         """ℓ per row [M] from the target logits xt [M, L] and candidate logits xn [M, C]."""
         raise NotImplementedError
 
-    def local_loss(self, hidden, table, bias, targets, row_scale, *, vocab_offset, vocab_size, scalar,
-                   platform, reducer, extras):
+    def local_loss(self, hidden, targets, row_scale, shard, *, extras):
         opts = self.options
         inv_t = 1.0 / opts.temperature
+        vocab_size = shard.vocab_size
         gids, gvalid = targets_lib.valid_targets(targets, opts.pad_id, vocab_size)
         extras = self._log_q_at(extras, gids, vocab_size=vocab_size)
         k = jnp.sum(gvalid, axis=-1, dtype=jnp.float32)
-        ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, table.shape[0], vocab_size)
-        xt = reducer.vocab(jnp.where(valid, targets_lib.gather_logits(hidden, table, bias, ids), 0.0)) * inv_t
+        ids, valid = shard.local_targets(targets, opts.pad_id)
+        xt = shard.vocab_sum(jnp.where(valid, shard.gather_logits(hidden, ids, valid), 0.0)) * inv_t
         neg = extras["neg"]
-        xn = candidates.candidate_logits(hidden, table, bias, neg, vocab_offset, reducer) * inv_t
+        xn = candidates.candidate_logits(hidden, neg, shard) * inv_t
         live = jnp.ones(xn.shape, bool)
         if opts.remove_accidental_hits:
             live = ~candidates.hits(gids, gvalid, neg)
         if opts.in_batch_negatives:
             cand = extras["cand"]
-            xc = candidates.candidate_logits(hidden, table, bias, cand, vocab_offset, reducer) * inv_t
+            xc = candidates.candidate_logits(hidden, cand, shard) * inv_t
             # A position's own targets are never its in-batch negatives, whatever remove_accidental_hits says.
             xn = jnp.concatenate([xn, xc], axis=-1)
             live = jnp.concatenate([live, (cand >= 0)[None, :] & ~candidates.hits(gids, gvalid, cand)], axis=-1)
         ell = jnp.where(k > 0, self.rows(xt, gvalid, xn, live, extras, vocab_size=vocab_size), 0.0)
-        loss = jnp.sum(row_scale * ell) if scalar else row_scale * ell
+        loss = jnp.sum(row_scale * ell) if opts.reduction != "none" else row_scale * ell
         counts = {"targets": k}
         if opts.compute_metrics:
             counts["top1"] = candidates.top1(xt, gvalid, xn, live).astype(jnp.float32)
         return loss, counts
 
-    def metrics(self, counts, w, *, vocab_size, invalid, weight_sum, reducer):
+    def metrics(self, counts, w, *, invalid, weight_sum, shard):
         """num_targets (Σ|T|), invalid_targets, weight_sum (of positions with targets) and, with
         compute_metrics, top1 (Σ w·[the best target outscores every live negative])."""
-        out = {"num_targets": reducer.batch(jnp.sum(counts["targets"])), "invalid_targets": invalid,
-               "weight_sum": weight_sum}
-        if "top1" in counts:
-            out["top1"] = reducer.batch(jnp.sum(w * counts["top1"]))
-        return out
+        return metrics_lib.top1_metrics(counts, w, invalid=invalid, weight_sum=weight_sum,
+                                        psum_batch=shard.batch_sum)
 
 
 class SampledSoftmax(SampledStrategy):

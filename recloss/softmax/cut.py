@@ -1,43 +1,29 @@
-"""Blocked pure-JAX sweeps of the softmax log-partition (the `cutce` plan), on `recloss.sweep.blocked`.
+"""Blocked pure-JAX sweeps of the softmax log-partition (the `cutce` sweep), on `recloss.sweep.blocked`.
 
 'loss' mode: per row a running (max, Σ exp(x − max)) over vocab blocks, and the
 running argmax for the metrics: lse [M] = log Σ_v exp(x_v) over the shard's live
 columns (−inf when it has none), 2·M·V·D flops.
-'grad' mode (the recompute of `recloss.sweep.background_rows`): with the forward's
+'grad' mode (the recompute of `recloss.sweep.sweep_rows`): with the forward's
 lse and the cotangent r, G = r·exp(x − lse)/τ per tile, then dA = G E, dE_j = Gᵀ A,
 db_j = Σ_rows G: 6·M·V·D flops (the logits again, dA, dE). Nothing of size M·V exists at any time.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
-
 import jax.numpy as jnp
 
 from recloss import sweep as sweep_lib
-from recloss.options import LossOptions
 from recloss.softmax import partition
 
 
-class Plan(NamedTuple):
-    """Static configuration of one blocked log-partition sweep (hashable)."""
-    opts: LossOptions
-    blocks: sweep_lib.Blocks
-
-    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None):
-        """'loss' → (lse [M], (row max [M], argmax id [M]) or None, None, None, None);
-        'grad' (``fwd`` = lse [M], r = cotangent [M]) → (None, None, dA, dE, db)."""
-        if mode == "loss":
-            return _lse_sweep(a, e, b, vocab_offset, self)
-        if mode == "grad":
-            return _grad_sweep(a, e, b, r, fwd, vocab_offset, self)
-        raise ValueError(f"softmax sweeps have modes 'loss' and 'grad', got {mode!r}")
-
-
-def plan(m: int, v_local: int, opts: LossOptions, *, vocab_size: int, static_offset: Optional[int]) -> Plan:
-    """The plan for M rows and a V_local-row table (block sizes from `recloss.sweep.blocks`)."""
-    return Plan(opts, sweep_lib.blocks(m, v_local, block_v=opts.block_v, block_n=opts.block_n,
-                                       vocab_size=vocab_size, static_offset=static_offset))
+def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+    """The `recloss.sweep.Plan.run` of the `cutce` plan: 'loss' → SweepOut(lse [M], (row max [M],
+    argmax id [M]) or None); 'grad' (``fwd`` = lse [M], r = cotangent [M]) → SweepOut(da=, de=, db=)."""
+    if mode == "loss":
+        return _lse_sweep(a, e, b, vocab_offset, plan)
+    if mode == "grad":
+        return _grad_sweep(a, e, b, r, fwd, vocab_offset, plan)
+    raise ValueError(f"softmax sweeps have modes 'loss' and 'grad', got {mode!r}")
 
 
 def _logits(a_s, e_j, b_j, inv_t):
@@ -47,7 +33,7 @@ def _logits(a_s, e_j, b_j, inv_t):
     return x if inv_t == 1.0 else x * inv_t
 
 
-def _lse_sweep(a, e, b, vocab_offset, p: Plan):
+def _lse_sweep(a, e, b, vocab_offset, p: sweep_lib.Plan):
     inv_t = 1.0 / p.opts.temperature
     argmax = p.opts.compute_metrics
 
@@ -75,10 +61,10 @@ def _lse_sweep(a, e, b, vocab_offset, p: Plan):
                                  combine=combine)
     lse = partition.lse_of(carry["m"], carry["s"])
     aux = (carry["m"], carry["id"]) if argmax else None
-    return lse, aux, None, None, None
+    return sweep_lib.SweepOut(lse, aux)
 
 
-def _grad_sweep(a, e, b, r, lse, vocab_offset, p: Plan):
+def _grad_sweep(a, e, b, r, lse, vocab_offset, p: sweep_lib.Plan):
     inv_t = 1.0 / p.opts.temperature
     d = a.shape[1]
     cdt = jnp.promote_types(a.dtype, e.dtype)
@@ -101,4 +87,4 @@ def _grad_sweep(a, e, b, r, lse, vocab_offset, p: Plan):
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     carry, outs = sweep_lib.blocked(a, e, b, {"r": r, "lse": lse}, vocab_offset, p.blocks, tile=tile,
                                     init={"da": ((d,), jnp.float32, 0.0)}, emit=emit)
-    return None, None, carry["da"], outs["de"], outs.get("db")
+    return sweep_lib.SweepOut(da=carry["da"], de=outs["de"], db=outs.get("db"))

@@ -1,7 +1,7 @@
 """Mosaic-TPU Pallas kernels for the softmax log-partition (the `cutce_pallas` plan).
 
 For rows a_i [M, D] against a table shard E [V_local, D] with logits
-x_iv = (a_i·e_v + b_v)/τ, the plan honours `recloss.softmax.cut.Plan.sweep`:
+x_iv = (a_i·e_v + b_v)/τ, the plan honours `recloss.softmax.cut.sweep`:
 
 'loss' (2·M·V·D flops): lse_i = log Σ_{live v} exp(x_iv) (−inf for a row with
 no live column) and, with compute_metrics, the row max and its global id
@@ -21,7 +21,7 @@ The lanes (and the two TensorCores' partials) are combined here, outside the
 kernel: m = max over lanes, s = Σ s_l·exp(m_l − m), the id of the smallest
 global id among the lanes whose max is m.
 
-'grad' (6·M·V·D: logits, dA, dE; the recompute of `recloss.sweep.background_rows`): with the
+'grad' (6·M·V·D: logits, dA, dE; the recompute of `recloss.sweep.sweep_rows`): with the
 forward's lse and the cotangent r, G = r_i·exp(x − lse_i)/τ on live columns,
 dA = G E (resident), dE_j = Gᵀ A and db_j = Σ_rows G written once per block.
 Rows with lse = −inf (no live column) and padded rows use a stand-in lse of
@@ -34,40 +34,28 @@ loop with dE/db accumulated in HBM and the cost estimates are the grid's.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
-
 import jax
 import jax.numpy as jnp
 
+from recloss import sweep as sweep_lib
 from recloss.options import LossOptions
 from recloss.pallas import grid, tiling
 from recloss.softmax import partition
 
-_LANES = tiling.LANES
-_BIG_ID = jnp.iinfo(jnp.int32).max
+def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+    """The `recloss.sweep.Plan.run` of the `cutce_pallas` plan: 'loss' → SweepOut(lse [M], (row max
+    [M], argmax id [M]) or None); 'grad' (``fwd`` = lse [M], r = cotangent [M]) → SweepOut(da=, de=, db=)."""
+    if mode == "loss":
+        return _lse_sweep(a, e, b, vocab_offset, plan)
+    if mode == "grad":
+        return _grad_sweep(a, e, b, r, fwd, vocab_offset, plan)
+    raise ValueError(f"softmax sweeps have modes 'loss' and 'grad', got {mode!r}")
 
 
-class Plan(NamedTuple):
-    """Static configuration of one log-partition sweep (hashable: a custom-VJP static argument)."""
-    opts: LossOptions
-    vocab_size: int                  # real V (global); columns at or past it are inert
-    static_offset: Optional[int]     # vocab_offset when it is a Python int, else None
-    chip: tiling.Chip
-    interpret: Any                   # False, True or a pltpu.InterpretParams
-
-    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None):
-        """'loss' → (lse [M], (row max [M], argmax id [M]) or None, None, None, None);
-        'grad' (``fwd`` = lse [M], r = cotangent [M]) → (None, None, dA, dE, db)."""
-        if mode == "loss":
-            return _lse_sweep(a, e, b, vocab_offset, self)
-        if mode == "grad":
-            return _grad_sweep(a, e, b, r, fwd, vocab_offset, self)
-        raise ValueError(f"softmax sweeps have modes 'loss' and 'grad', got {mode!r}")
-
-
-def _tiling(mode: str, a, e, b, p: Plan) -> tiling.Tiling:
+def _tiling(kind: str, a, e, b, p: sweep_lib.Plan) -> tiling.Tiling:
     m, d = a.shape
-    return tiling.choose(mode, m, e.shape[0], d, a.dtype, e.dtype, p.opts, bias=b is not None, chip=p.chip)
+    return tiling.choose(("softmax", kind), m, e.shape[0], d, a.dtype, e.dtype, p.opts, bias=b is not None,
+                         chip=p.chip, who=p.owner)
 
 
 def _loss_spec(opts: LossOptions, bv: int) -> grid.Spec:
@@ -85,11 +73,11 @@ def _loss_spec(opts: LossOptions, bv: int) -> grid.Spec:
         if argmax:
             best, idx = m_old, ref["id"][rows, :]
             base = (st.off_ref[0] + st.block * bv
-                    + jax.lax.broadcasted_iota(jnp.int32, (1, _LANES), 1))
+                    + jax.lax.broadcasted_iota(jnp.int32, (1, tiling.LANES), 1))
             for k, xk in enumerate(groups):       # in column order: strictly greater keeps the first
                 better = xk > best
                 best = jnp.where(better, xk, best)
-                idx = jnp.where(better, base + k * _LANES, idx)
+                idx = jnp.where(better, base + k * tiling.LANES, idx)
             m_new = best
             ref["id"][rows, :] = idx
         else:
@@ -113,8 +101,8 @@ def _loss_spec(opts: LossOptions, bv: int) -> grid.Spec:
     return grid.Spec("cutce_loss", False, tuple(row_out), tile, flops=2, transcendentals=1)
 
 
-def _lse_sweep(a, e, b, vocab_offset, p: Plan):
-    t = _tiling("softmax_loss", a, e, b, p)
+def _lse_sweep(a, e, b, vocab_offset, p: sweep_lib.Plan):
+    t = _tiling("loss", a, e, b, p)
     res = grid.sweep(_loss_spec(p.opts, t.bv), t, a, e, b, vocab_offset, vocab_size=p.vocab_size,
                      static_offset=p.static_offset, interpret=p.interpret)
     m_l, s_l = res.lanes("m"), res.lanes("s")            # [M, cores·128]
@@ -123,9 +111,9 @@ def _lse_sweep(a, e, b, vocab_offset, p: Plan):
     lse = partition.lse_of(m, s)
     aux = None
     if p.opts.compute_metrics:
-        idx = jnp.min(jnp.where(m_l == m[:, None], res.lanes("id"), _BIG_ID), axis=-1)
+        idx = jnp.min(jnp.where(m_l == m[:, None], res.lanes("id"), partition.BIG_ID), axis=-1)
         aux = (m, idx)
-    return lse, aux, None, None, None
+    return sweep_lib.SweepOut(lse, aux)
 
 
 def _grad_spec(opts: LossOptions) -> grid.Spec:
@@ -139,8 +127,8 @@ def _grad_spec(opts: LossOptions) -> grid.Spec:
     return grid.Spec("cutce_grad", True, (), tile, flops=6, transcendentals=1)
 
 
-def _grad_sweep(a, e, b, r, lse, vocab_offset, p: Plan):
-    t = _tiling("softmax_grad", a, e, b, p)
+def _grad_sweep(a, e, b, r, lse, vocab_offset, p: sweep_lib.Plan):
+    t = _tiling("grad", a, e, b, p)
     inv_t = 1.0 / p.opts.temperature
     # No live column (lse = −inf) and padded rows: a stand-in far above any logit, so exp() is 0.
     big = -partition.NEG
@@ -150,4 +138,4 @@ def _grad_sweep(a, e, b, r, lse, vocab_offset, p: Plan):
                      static_offset=p.static_offset, interpret=p.interpret)
     da = res.summed("da", a.shape[1])
     de, db = res.table_grads()
-    return None, None, da, de, db
+    return sweep_lib.SweepOut(da=da, de=de, db=db)

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 # Stand-in for −inf in masked maxima: exp(NEG − m) is 0 for any real m, and NEG − NEG = 0 keeps
 # an all-masked running (max, sum) at (NEG, 0) without the NaN of −inf − (−inf).
 NEG = -1e30
-_BIG_ID = jnp.iinfo(jnp.int32).max
+# Above every real id: the loser of a tie-to-the-smallest-id argmax.
+BIG_ID = jnp.iinfo(jnp.int32).max
 
 
 def masked(x, live):
@@ -52,15 +53,16 @@ def lse_of(m, s):
     return jnp.where(ok, m + jnp.log(jnp.where(ok, s, 1.0)), -jnp.inf)
 
 
-def global_lse(lse_local, reducer):
-    """The global Z [M] from each vocab shard's log-partition [M] (max over shards, then a sum)."""
-    top = reducer.vocab_max(jax.lax.stop_gradient(lse_local))    # the shift cancels: no gradient (pmax has none)
-    return top + jnp.log(reducer.vocab(jnp.exp(lse_local - top)))
+def global_lse(lse_local, shard):
+    """The global Z [M] from each vocab shard's log-partition [M] (max over shards, then a sum);
+    ``shard``: the `recloss.shard.VocabShard` whose vocab reductions combine them."""
+    top = shard.vocab_max(jax.lax.stop_gradient(lse_local))    # the shift cancels: no gradient (pmax has none)
+    return top + jnp.log(shard.vocab_sum(jnp.exp(lse_local - top)))
 
 
-def global_argmax(row_max, row_id, reducer):
+def global_argmax(row_max, row_id, shard):
     """The global argmax id [M] from each shard's (row max, its global id); ties go to the smallest id."""
     row_max = jax.lax.stop_gradient(row_max)
-    top = reducer.vocab_max(row_max)
-    cand = jnp.where(row_max == top, row_id, _BIG_ID)
-    return -reducer.vocab_max(-cand)
+    top = shard.vocab_max(row_max)
+    cand = jnp.where(row_max == top, row_id, BIG_ID)
+    return -shard.vocab_max(-cand)

@@ -1,0 +1,155 @@
+"""The vocab shard a strategy computes on: its table rows, where they sit in the vocabulary, and the
+reductions that make its partial results global.
+
+One is built where the computation starts: `VocabShard.whole` on one device, `recloss.sharding.run`
+inside `jax.shard_map` (a `VocabShard` of the gathered [V/|vocab|, D] rows, or a `RingShard` of the
+chip's [V/(|vocab|·|fsdp|), D] slice when ``fsdp_gather='ring'``). A strategy only asks it:
+
+    ids, valid = shard.local_targets(targets, pad_id)     # the targets this shard owns
+    x = shard.gather_logits(hidden, ids, valid)            # their logits [M, L]
+    value, aux = shard.sweep(plan, hidden, row_scale)      # a blocked sweep of the shard's columns
+    s = shard.column_sum(hidden)                           # Σ_v x_v per row [M], one [D] column sum
+    shard.vocab_sum(x), shard.vocab_max(x), shard.batch_sum(x)
+
+so whether the table is whole or a travelling ring slice is decided once, here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from recloss import ring as ring_lib, sweep as sweep_lib, targets as targets_lib
+
+
+def _psum(x, axes):
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def _pmax(x, axes):
+    return jax.lax.pmax(x, axes) if axes else x
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabShard:
+    """The whole vocab shard on this chip: table [V_local, D] and bias [V_local] or None.
+
+    Attributes:
+      table, bias: the shard's rows (global ids ``offset`` … ``offset + rows − 1``).
+      offset: global id of the shard's first row: a Python int when known at trace time (one
+        device, or no vocab axis), else a traced int32 scalar (``axis_index(vocab)·V_local``).
+      vocab_size: the real V (global); rows at or past it are inert.
+      platform: where the computation runs ('cpu', 'gpu', 'tpu').
+      batch_axes, vocab_axes: mesh axes the rows and the vocabulary are split over (the
+        reductions' psum/pmax axes; empty on one device or where an axis has size 1).
+    """
+
+    table: Any
+    bias: Any
+    offset: Any
+    vocab_size: int
+    platform: str
+    batch_axes: Tuple[str, ...] = ()
+    vocab_axes: Tuple[str, ...] = ()
+
+    @classmethod
+    def whole(cls, table, bias, *, vocab_size: int, platform: str) -> "VocabShard":
+        """The whole table on one device (offset 0, identity reductions)."""
+        return cls(table, bias, 0, vocab_size, platform)
+
+    # ------------------------------------------------------------ where the shard sits
+    @property
+    def rows(self) -> int:
+        """V_local: rows of the vocab shard (ids it owns)."""
+        return self.table.shape[0]
+
+    @property
+    def static_offset(self) -> Optional[int]:
+        """``offset`` when it is known at trace time, else None."""
+        return self.offset if isinstance(self.offset, int) else None
+
+    # ------------------------------------------------------------ reductions
+    def batch_sum(self, x):
+        """Σ over the batch shards (positions split over the batch axes)."""
+        return _psum(x, self.batch_axes)
+
+    def vocab_sum(self, x):
+        """Σ over the vocab shards."""
+        return _psum(x, self.vocab_axes)
+
+    def vocab_max(self, x):
+        """max over the vocab shards (no gradient)."""
+        return _pmax(x, self.vocab_axes)
+
+    # ------------------------------------------------------------ what objectives ask
+    def local_targets(self, targets, pad_id: int):
+        """(ids [M, L] int32 local to the shard, valid [M, L]) of the global ``targets`` [M, L]: valid
+        marks the first occurrence of an id that is not ``pad_id``, is < vocab_size and is owned here."""
+        return targets_lib.local_targets(targets, pad_id, self.offset, self.rows, self.vocab_size)
+
+    def gather_logits(self, hidden, ids, valid):
+        """x [M, L] f32 = hidden·E[ids] + b[ids] of the local ``ids`` (garbage where not ``valid``;
+        mask with it), differentiable in hidden, table and bias (`recloss.targets.gather_logits`)."""
+        return targets_lib.gather_logits(hidden, self.table, self.bias, ids)
+
+    def column_sum(self, hidden):
+        """Σ_v (h·e_v + b_v) over the shard's live rows, per row [M] f32: one [D] column sum, not [M, V]."""
+        return _column_sum(hidden, self.table, self.bias, self.offset, self.vocab_size)
+
+    def sweep(self, plan: sweep_lib.Plan, hidden, row_scale=None):
+        """A sweep of ``plan`` over the shard's columns for rows ``hidden`` [M, D].
+
+        With ``row_scale`` [M] f32: (Σ_i row_scale_i·value_i f32 scalar, aux), whose VJP is the fused
+        sweep (`recloss.sweep.sweep_total`). Without: (value [M] f32, aux), whose VJP recomputes
+        (`recloss.sweep.sweep_rows`). value and aux as `recloss.sweep.SweepOut`.
+        """
+        return self._sweep(plan, self.offset, hidden, row_scale)
+
+    def _sweep(self, plan, offset, hidden, row_scale):
+        if row_scale is not None:
+            return sweep_lib.sweep_total(hidden, self.table, self.bias, row_scale, offset, plan)
+        return sweep_lib.sweep_rows(hidden, self.table, self.bias, offset, plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingShard(VocabShard):
+    """The vocab shard as slices travelling round the fsdp axis (``MeshLayout(fsdp_gather='ring')``):
+    ``table`` [R, D] / ``bias`` [R] are this chip's slice, R = V_local/F; the shard's first global id
+    is ``offset`` (slice 0's) and chip i's slice starts at ``offset + i·R``. Gathers, sweeps and column
+    sums walk the ring (`recloss.ring`); ``offset`` is always traced here."""
+
+    ring: Optional[ring_lib.Ring] = None
+
+    @property
+    def rows(self) -> int:
+        return self.ring.rows * self.ring.size
+
+    @property
+    def static_offset(self) -> Optional[int]:
+        return None    # each slice's offset is traced: the plan masks columns by the real vocab_size
+
+    def gather_logits(self, hidden, ids, valid):
+        return ring_lib.gather_logits(hidden, self.table, self.bias, ids, valid, self.ring)
+
+    def column_sum(self, hidden):
+        # This chip's slice; its [D] column sum summed round the ring (no table moves).
+        return _column_sum(hidden, self.table, self.bias, self.offset + self.ring.index() * self.ring.rows,
+                           self.vocab_size, total=self.ring.psum)
+
+    def sweep(self, plan: sweep_lib.Plan, hidden, row_scale=None):
+        return self._sweep(ring_lib.Plan(plan, self.ring), jnp.asarray(self.offset, jnp.int32), hidden,
+                           row_scale)
+
+
+def _column_sum(hidden, table, bias, vocab_offset, vocab_size, total=lambda x: x):
+    """Σ_v (h·e_v + b_v) over ``table``'s live rows, per row [M] f32. ``total`` sums the [D] column
+    sum (and the bias sum) over the chips holding the shard's slices."""
+    live = (jnp.arange(table.shape[0]) + vocab_offset < vocab_size)[:, None]
+    col = total(jnp.sum(jnp.where(live, table, 0), axis=0, dtype=jnp.float32))
+    out = jnp.dot(hidden.astype(jnp.float32), col)
+    if bias is not None:
+        out = out + total(jnp.sum(jnp.where(live[:, 0], bias, 0), dtype=jnp.float32))
+    return out

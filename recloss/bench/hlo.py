@@ -9,9 +9,9 @@ Cases: {cutbce, cutbce_pallas, cutce, cutce_pallas} × {defaults; bias + options
 skipped without libtpu)}. Inputs are abstract (ShapeDtypeStruct) with odd sizes: M = 96 rows, D = 40,
 1,024 table rows of which 1,000 are the vocabulary in the options cases.
 
-Normalised means: instruction and computation names renumbered by first appearance, ``metadata``
-and the stack-frame tables (op names, source files and lines) dropped, and each Mosaic kernel's
-serialized MLIR printed as text without its locations (`kernel_text`).
+Normalised means: instruction and computation names renumbered by first appearance, ``metadata``,
+the stack-frame tables and a kernel's ``debug_locations`` (op names, source files and lines) dropped,
+and each Mosaic kernel's serialized MLIR printed as text without its locations (`kernel_text`).
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def compile_case(strategy: str, variant: str, mesh_name: str):
 _NAME = re.compile(r"%[A-Za-z_][\w.\-]*")
 _METADATA = re.compile(r",?\s*metadata=\{[^{}]*\}")
 _KERNEL = re.compile(r'"body":"([A-Za-z0-9+/=]+)"')
+_DEBUG_LOCATIONS = re.compile(r'"debug_locations":"[A-Za-z0-9+/=]*"')   # newer jax: the kernel's locations
 _PARAM = re.compile(r"(?<![%\w.])([A-Za-z_][\w.\-]*): ")
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
@@ -129,6 +130,7 @@ def normalise(text: str) -> str:
         return f'"body":"<kernel {len(kernels) - 1}>"'
 
     text = _KERNEL.sub(kernel, text)
+    text = _DEBUG_LOCATIONS.sub('"debug_locations":"<dropped>"', text)
     names = {}
 
     def rename_key(key):

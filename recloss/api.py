@@ -57,7 +57,8 @@ def bce_loss(hidden, table, targets, weights=None, bias=None, *, strategy: str =
       layout: a `recloss.MeshLayout` to run sharded under shard_map, or None. Its mesh may have
         Explicit or Auto axes; inputs placed by the strategy's ``partition_specs`` or not are
         laid out by it (`recloss.sharding.place_all`).
-      **options: `LossOptions` fields.
+      **options: `LossOptions` fields; for 'cutbce_pallas' also ``chip=`` and ``interpret_params=``
+        (`recloss.pallas.strategy.PallasStrategy`).
     Returns:
       LossOutput(loss, metrics): loss is Σ w·ℓ / Σ w ('mean'; 0 when Σ w = 0),
       Σ w·ℓ ('sum') or w·ℓ with hidden's leading shape ('none'), float32 whatever the input
@@ -94,7 +95,8 @@ def softmax_loss(hidden, table, targets, weights=None, bias=None, *, strategy: s
         Explicit or Auto axes; inputs placed by the strategy's ``partition_specs`` or not are
         laid out by it (`recloss.sharding.place_all`).
       **options: `LossOptions` fields: reduction, label_smoothing, z_loss,
-        temperature, pad_id, vocab_size, block_v, block_n, compute_metrics.
+        temperature, pad_id, vocab_size, block_v, block_n (blocked strategies), interpret
+        (cutce_pallas), compute_metrics; for 'cutce_pallas' also ``chip=`` and ``interpret_params=``.
     Returns:
       LossOutput(loss, metrics): loss is Σ w·ℓ / Σ w over positions with a target
       ('mean'; 0 when that sum is 0), Σ w·ℓ ('sum') or w·ℓ with hidden's leading

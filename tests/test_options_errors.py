@@ -303,3 +303,16 @@ def test_interpret_and_block_sizes_belong_to_the_strategies_that_use_them():
         takes = recloss.get_strategy(name).options_supported
         assert ("interpret" in takes) == name.endswith("_pallas"), name
         assert ("block_v" in takes) == ("block_n" in takes) == name.startswith("cut"), name
+
+
+def test_pallas_strategy_arguments_through_get_strategy_and_the_entry_point(inputs):
+    s = recloss.get_strategy("cutbce_pallas", block_v=128, chip="v5p")
+    assert s.chip == "v5p" and s.options.block_v == 128
+    assert recloss.get_strategy("cutce_pallas", chip="v6e").chip == "v6e"
+    with pytest.raises(ValueError, match="v9"):
+        recloss.get_strategy("cutbce_pallas", chip="v9")
+    for name in ("cutbce", "dense_ce", "gbce"):
+        with pytest.raises(TypeError, match=rf"strategy '{name}' takes no argument\(s\) chip=.*cutbce_pallas"):
+            recloss.get_strategy(name, chip="v5p")
+    with pytest.raises(TypeError, match="takes no argument"):
+        _call("cutbce", inputs, chip="v5p")

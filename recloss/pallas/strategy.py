@@ -38,7 +38,8 @@ def warn_interpret_once(name: str, fallback: str, stacklevel: int = 3):
 
 
 class PallasStrategy:
-    """Mixin of a Strategy whose plan runs a Mosaic-TPU Pallas kernel.
+    """Mixin of a Strategy whose plan runs a Mosaic-TPU Pallas kernel. ``chip`` and
+    ``interpret_params`` also reach it through `recloss.get_strategy` and the entry points.
 
     Runs on TPU; on CPU only in Pallas interpret mode (for tests, with a
     one-time RuntimeWarning); on GPU it is an error naming ``fallback``.

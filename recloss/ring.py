@@ -75,9 +75,8 @@ class Ring(NamedTuple):
         the last step's accumulators are already on their way (ppermutes issued first). Returns
         (stay, dE, db) with dE / db this chip's own slice's full sums, home after one last shift.
         """
-        # Step 0: the chip's own slice; its send to the neighbour starts first. (Starting the loop at
-        # step 0 instead, to trace the visit once, copies the own slice into the loop carry and
-        # measured +1 slice of temporaries.)
+        # Step 0: the chip's own slice, outside the loop (inside, the own slice would be copied into
+        # the loop carry: docs/design.md "Measured choices"); its send to the neighbour starts first.
         e_next, b_next = self.shift(e), self.shift(b)
         stay, de, db = visit(0, e, b)
 

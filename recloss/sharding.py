@@ -138,11 +138,6 @@ class MeshLayout:
         return self.mesh.devices.flat[0].platform
 
     @property
-    def data_axes(self) -> Tuple[str, ...]:
-        """Batch axes other than fsdp_axis: the table is replicated over them."""
-        return tuple(a for a in self.batch_axes if a != self.fsdp_axis)
-
-    @property
     def batch_shards(self) -> int:
         """How many pieces the rows are split into (product of the batch axes)."""
         return math.prod(self.axis_size(a) for a in self.batch_axes)

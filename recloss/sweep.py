@@ -43,9 +43,8 @@ from recloss.options import LossOptions
 BLOCK_V = 2048
 # Bytes of one float32 logit tile (block_n × block_v). XLA:CPU materialises the
 # elementwise passes between the three matmuls, so the tile bounds memory; its
-# size trades matmul efficiency (D-deep products want long rows) against cache.
-# Measured on 2 cores at D=128: 2000×2048 tiles ran the fused BCE pass ~8% faster
-# than 1000×512 ones (recloss-bench; README).
+# size trades matmul efficiency (D-deep products want long rows) against cache
+# (docs/design.md "Measured choices").
 TILE_BYTES = 16 << 20
 
 

@@ -69,7 +69,7 @@ def gather_logits(hidden, table, bias, ids):
     dhidden[m] = Σ_l g[m,l]·table[ids[m,l]] (the rows gathered again, not saved) and
     dtable = Σ g[m,l]·hidden[m] added at ids[m,l] by `scatter_rows`, chunk by chunk of
     rows at large M, so no one scatter grows with M (autodiff's one scatter of all
-    M·L rows compiles ~15× slower at M = 16,384 than at 1,024 for TPU).
+    M·L rows compiles far slower for TPU at large M; docs/design.md "Measured choices").
     """
     return _gather(hidden, table, bias, ids)
 
@@ -105,16 +105,13 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 # Rows per scatter of `scatter_rows`. One scatter of all M·L updates (or a sort of
-# the ids) compiles in ~20 s for XLA:TPU at M = 16,384, L = 8; 1,024-row scatters
-# compile in well under a second each. Up to SCATTER_ONE_ROWS rows it is one scatter,
-# above it a chain of SCATTER_ROWS-row scatters, each adding into the previous one's
-# result. Either way the first scatter's operand is zeros in the table's dtype, so XLA
-# rewrites the backward's ``dE_background + dE_correction`` into the scatters applied
-# to the background's dE buffer in place: no second table-sized buffer. (A lax.scan
-# over the chunks, used before, carried one more f32 [V_local, D], 0.42 GiB at
-# V = 876,939, D = 128; libtpu 0.0.50.1 also stopped adding the scan's result into
-# the background's dE in place, so that dE became a temporary too: 1.25 GiB of
-# temporaries for cutbce_pallas at 16,384 rows instead of 0.44.)
+# the ids) compiles slowly for XLA:TPU at large M, small scatters quickly. Up to
+# SCATTER_ONE_ROWS rows it is one scatter, above it a chain of SCATTER_ROWS-row
+# scatters, each adding into the previous one's result. Either way the first
+# scatter's operand is zeros in the table's dtype, so XLA rewrites the backward's
+# ``dE_background + dE_correction`` into the scatters applied to the background's dE
+# buffer in place: no second table-sized buffer (a lax.scan over the chunks would carry
+# one more [V_local, D]). The figures behind both: docs/design.md "Measured choices".
 SCATTER_ROWS = 1024
 SCATTER_ONE_ROWS = 4096
 

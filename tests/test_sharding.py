@@ -176,7 +176,6 @@ def test_layout_roles_and_sizes():
     layout = make_layout((2, 2, 2))
     assert layout.platform == "cpu"
     assert (layout.batch_shards, layout.fsdp_shards, layout.vocab_shards, layout.table_shards) == (4, 2, 2, 4)
-    assert layout.data_axes == ("data",)
     with pytest.raises(dataclasses.FrozenInstanceError):
         layout.vocab_axis = "data"
     one = make_layout((8, 1, 1))

@@ -42,7 +42,8 @@ def bernoulli_parts(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = 
     coefficient is 0 are skipped at trace time. The gradient is None when
     ``grad=False``. With γ = 0 the value comes in parts (kq·relu(x),
     kp·relu(−x), (kq + kp)·log1p(exp(−|x|))): a blocked pass reduces each part
-    on its own, which XLA:CPU runs ~10% faster than reducing their sum (loss-only sweep).
+    on its own, which XLA:CPU runs faster than reducing their sum (loss-only sweep; docs/design.md
+    "Measured choices").
     """
     x = x.astype(jnp.float32)
     gamma = float(opts.focal_gamma)
@@ -67,7 +68,7 @@ def bernoulli_parts(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = 
             terms.append((kq + kp) * log_term)
         # σ(±x) = 1/(1 + exp(∓x)) rather than from `e`: not sharing exp(−|x|)
         # lets XLA:CPU keep the loss and the gradient in separate fusions
-        # without materialising `e` (~9% of the fused pass on CPU).
+        # without materialising `e` (docs/design.md "Measured choices").
         # Both are exact in relative terms for either sign of x.
         if grad and use_q:
             dterms.append(kq * jax.nn.sigmoid(x))

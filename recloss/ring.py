@@ -113,30 +113,33 @@ def _merge_sum(old, new):
 _MERGES = {"sum": _merge_sum, "lse": _merge_lse}
 
 
+def _ring_sweep(mode: str, a, e, b, r, vocab_offset, plan: "Plan", fwd=None) -> SweepOut:
+    """`Plan.run`: the inner plan's sweep of each slice as it passes, merged per row."""
+    ring, rows, inner = plan.ring, plan.ring.rows, plan.inner
+    merge = _MERGES[inner.combine]
+    grad = mode in ("fused", "grad")
+    base = jnp.asarray(vocab_offset, jnp.int32)
+
+    def visit(s, e_k, b_k):
+        o = inner.run(mode, a, e_k, b_k, r, base + ring.held(s) * rows, inner, fwd)
+        return ((o.value, o.aux), o.da), o.de, o.db
+
+    def merge_all(old, new):
+        head = old[0] if old[0][0] is None else merge(old[0], new[0])
+        return head, (_add(old[1], new[1]) if grad else old[1])
+
+    (head, da), de, db = ring.walk(e, b, visit, merge_all)
+    return SweepOut(head[0], head[1], da, de, db)
+
+
 class Plan(NamedTuple):
     """A `recloss.sweep.Plan` walked round the ring: ``inner`` sweeps one slice, the ring walks them,
     merging the slices' values by ``inner.combine`` ('sum' for BCE's background and counts, 'lse' for
-    the softmax log-partitions). The ``vocab_offset`` handed to `sweep` is the first global id of the
-    vocab shard (slice 0)."""
+    the softmax log-partitions). The ``vocab_offset`` handed to ``run`` is the first global id of the
+    vocab shard (slice 0). Hashable, so a custom-VJP static argument like the plans it wraps."""
     inner: object
     ring: Ring
-
-    def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None) -> SweepOut:
-        ring, rows = self.ring, self.ring.rows
-        merge = _MERGES[self.inner.combine]
-        grad = mode in ("fused", "grad")
-        base = jnp.asarray(vocab_offset, jnp.int32)
-
-        def visit(s, e_k, b_k):
-            o = self.inner.sweep(mode, a, e_k, b_k, r, base + ring.held(s) * rows, fwd)
-            return ((o.value, o.aux), o.da), o.de, o.db
-
-        def merge_all(old, new):
-            head = old[0] if old[0][0] is None else merge(old[0], new[0])
-            return head, (_add(old[1], new[1]) if grad else old[1])
-
-        (head, da), de, db = ring.walk(e, b, visit, merge_all)
-        return SweepOut(head[0], head[1], da, de, db)
+    run = staticmethod(_ring_sweep)
 
 
 def _slice_ids(ids, valid, k, rows):

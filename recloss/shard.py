@@ -106,12 +106,9 @@ class VocabShard:
         sweep (`recloss.sweep.sweep_total`). Without: (value [M] f32, aux), whose VJP recomputes
         (`recloss.sweep.sweep_rows`). value and aux as `recloss.sweep.SweepOut`.
         """
-        return self._sweep(plan, self.offset, hidden, row_scale)
-
-    def _sweep(self, plan, offset, hidden, row_scale):
         if row_scale is not None:
-            return sweep_lib.sweep_total(hidden, self.table, self.bias, row_scale, offset, plan)
-        return sweep_lib.sweep_rows(hidden, self.table, self.bias, offset, plan)
+            return sweep_lib.sweep_total(hidden, self.table, self.bias, row_scale, self.offset, plan)
+        return sweep_lib.sweep_rows(hidden, self.table, self.bias, self.offset, plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +137,10 @@ class RingShard(VocabShard):
                            self.vocab_size, total=self.ring.psum)
 
     def sweep(self, plan: sweep_lib.Plan, hidden, row_scale=None):
-        return self._sweep(ring_lib.Plan(plan, self.ring), jnp.asarray(self.offset, jnp.int32), hidden,
-                           row_scale)
+        offset, plan = jnp.asarray(self.offset, jnp.int32), ring_lib.Plan(plan, self.ring)
+        if row_scale is not None:
+            return sweep_lib.sweep_total(hidden, self.table, self.bias, row_scale, offset, plan)
+        return sweep_lib.sweep_rows(hidden, self.table, self.bias, offset, plan)
 
 
 def _column_sum(hidden, table, bias, vocab_offset, vocab_size, total=lambda x: x):

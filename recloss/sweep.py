@@ -87,7 +87,7 @@ class Plan(NamedTuple):
     def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None) -> SweepOut:
         """One sweep in ``mode`` of rows a [M, D] against e [V_local, D] (b [V_local] or None) whose
         row 0 has global id ``vocab_offset``; r [M] f32 scales the gradient rows (grad modes), ``fwd``
-        is the forward's value [M] for a recompute."""
+        is the forward's value [M] for a recompute. (The shells call ``plan.run`` directly.)"""
         return self.run(mode, a, e, b, r, vocab_offset, self, fwd)
 
 
@@ -223,12 +223,12 @@ def sweep_total(a, e, b, r, vocab_offset, plan):
     a [M, D], e [V_local, D], b [V_local] or None, r [M] f32 row scales,
     vocab_offset: global id of e's row 0 (int or int32 scalar).
     """
-    out = plan.sweep("loss", a, e, b, None, vocab_offset)
+    out = plan.run("loss", a, e, b, None, vocab_offset, plan, None)
     return jnp.sum(r * out.value), out.aux
 
 
 def _total_fwd(a, e, b, r, vocab_offset, plan):
-    bg, cnt, da, de, db = plan.sweep("fused", a, e, b, r, vocab_offset)
+    bg, cnt, da, de, db = plan.run("fused", a, e, b, r, vocab_offset, plan, None)
     return (jnp.sum(r * bg), cnt), (bg, da, de, db, a, e, b)
 
 
@@ -246,7 +246,7 @@ sweep_total.defvjp(_total_fwd, _total_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def sweep_rows(a, e, b, vocab_offset, plan):
     """(value [M] f32, aux) of one sweep (`SweepOut`), differentiable in value by recomputation."""
-    out = plan.sweep("loss", a, e, b, None, vocab_offset)
+    out = plan.run("loss", a, e, b, None, vocab_offset, plan, None)
     return out.value, out.aux
 
 
@@ -257,7 +257,7 @@ def _rows_fwd(a, e, b, vocab_offset, plan):
 
 def _rows_bwd(plan, res, cts):
     a, e, b, vocab_offset, bg = res
-    _, _, da, de, db = plan.sweep("grad", a, e, b, cts[0].astype(jnp.float32), vocab_offset, fwd=bg)
+    _, _, da, de, db = plan.run("grad", a, e, b, cts[0].astype(jnp.float32), vocab_offset, plan, bg)
     ga, ge, gb = cast_grads(a, e, b, da, de, db, 1.0)
     return ga, ge, gb, None
 

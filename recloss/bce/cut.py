@@ -36,12 +36,14 @@ def _fence(e_j):
     return jax.lax.bitcast_convert_type(u, jnp.float32)
 
 
-def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *,
+          parts=bernoulli_parts) -> sweep_lib.SweepOut:
     """One blocked pass over vocab blocks for rows a [M, D] in ``mode`` ('loss', 'fused', 'grad'):
     the `recloss.sweep.Plan.run` of the `cutbce` plan, on `recloss.sweep.blocked`.
 
     r [M] scales each row's gradient (unused, and may be None, in 'loss' mode); ``fwd`` is unused
-    (BCE's gradient needs no forward value).
+    (BCE's gradient needs no forward value). ``parts``: the per-logit math (`bernoulli_parts`'s
+    signature); `recloss-bench`'s matmuls-only ceiling swaps in the identity.
     Returns SweepOut(bg rows [M] f32, predicted-positive rows [M] f32, dA [M, D] f32,
     dE [V_local, D] f32, db [V_local] f32 or None); entries not asked for are None.
     """
@@ -59,12 +61,12 @@ def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> s
         x = jnp.dot(a_s, e_j.T, preferred_element_type=jnp.float32)
         if b_j is not None:
             x = x + b_j.astype(jnp.float32)[None, :]
-        parts, dval = bernoulli_parts(x, opts, cp, cq, grad=want_grad)
+        terms, dval = parts(x, opts, cp, cq, grad=want_grad)
         row_out, block_out = {}, {}
         if want_loss:
             if live is not None:
-                parts = [jnp.where(live, v, 0.0) for v in parts]
-            row_out["bg"] = functools.reduce(jnp.add, [jnp.sum(v, axis=-1) for v in parts])
+                terms = [jnp.where(live, v, 0.0) for v in terms]
+            row_out["bg"] = functools.reduce(jnp.add, [jnp.sum(v, axis=-1) for v in terms])
             if count:
                 hit = x > opts.threshold
                 row_out["pred"] = jnp.sum(hit if live is None else hit & live, axis=-1, dtype=jnp.float32)

@@ -28,20 +28,6 @@ DEFAULT_SHAPE = dict(batch=16, seq=256, vocab=100_000, dim=128, labels=8)
 QUICK_SHAPE = dict(batch=4, seq=128, vocab=20_000, dim=64, labels=8)
 
 
-@contextlib.contextmanager
-def _identity_loss_math():
-    """Traces `cutbce` with value = dvalue = logit: what is left is its three blocked matmuls
-    and their bookkeeping, the ceiling of the fused pass on this machine (not a loss)."""
-    from recloss.bce import cut
-
-    saved = cut.bernoulli_parts
-    cut.bernoulli_parts = lambda x, *args, **kwargs: ((x,), x if kwargs.get("grad", True) else None)
-    try:
-        yield
-    finally:
-        cut.bernoulli_parts = saved
-
-
 def _log(msg: str):
     print(msg, file=sys.stderr, flush=True)
 
@@ -57,8 +43,7 @@ def _build(row: Row, inputs, block_v):
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     t0 = time.perf_counter()
-    with _identity_loss_math() if row.matmuls_only else contextlib.nullcontext():
-        compiled = fn.lower(hidden, table).compile()
+    compiled = fn.lower(hidden, table).compile()
     row.compile_s = time.perf_counter() - t0
     row.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
     row.fn = compiled

@@ -27,7 +27,7 @@ if __name__ == "__main__":   # before jax loads: eight CPU devices for the meshe
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from recloss.bench import topology  # noqa: F401  (sets libtpu's AOT environment before jax loads it)
+from recloss.bench import topology
 
 STRATEGIES = ("cutbce", "cutbce_pallas", "cutce", "cutce_pallas")
 VARIANTS = ("defaults", "options", "rows")

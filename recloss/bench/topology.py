@@ -43,8 +43,6 @@ def libtpu_aot_env() -> None:
         env.setdefault("TPU_HOST_BOUNDS", "1,1,1")
 
 
-libtpu_aot_env()
-
 # Cloud TPU slice names → (libtpu topology, chips per host). Cloud counts v5p
 # (and v4) slices in TensorCores, so v5p-8 is 4 chips of two cores each.
 TOPOLOGIES = {
@@ -75,6 +73,7 @@ PAPER_SHAPES = TABLE_II + TABLE_III
 @functools.lru_cache(maxsize=None)
 def chip_devices(topology: str):
     """The devices of a TPU topology ('v6e-8', 'v5e-8', 'v5p-8', 'v4-8', or a libtpu name such as 'v6e:2x4')."""
+    libtpu_aot_env()    # before get_topology_desc loads libtpu; importing this module changes nothing
     from jax.experimental import topologies
 
     name, per_host = TOPOLOGIES.get(topology, (topology, (2, 2, 1)))

@@ -93,33 +93,35 @@ class Step:
         self._grad(self, g)
 
 
-def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vocab_size: int,
-         mask_cols: bool, de_dtype, interpret):
-    """One pallas_call over all vocab blocks for one row tile.
+class _Geometry(NamedTuple):
+    """The grid of one call: nb vocab blocks of bv rows, split over ``cores`` as nbc steps each."""
+    nb: int               # vocab blocks
+    nbc: int              # grid steps per core
+    may_skip: bool        # the last step of the last core has no block
+    mask_rows: bool       # the last block's rows past V_local are unspecified
+    cdt: Any              # compute dtype of the products
 
-    a [bn, Dp], e [V_local, Dp], b [1, V_local] or None, row_in [(name, [bn, 1]
-    f32)], de_in [V_local, Dp] f32 / db_in [1, V_local] f32 (accumulated into,
-    aliased to the outputs) or None, off [1] int32.
-    Returns dict with each `RowOut` [cores, bn, 128], da [cores, bn, Dp] f32,
-    de [V_local, Dp], db [1, V_local] f32 (gradient specs; db with a bias).
-    """
-    grad = spec.grad
-    has_bias = b is not None
-    accumulate = de_in is not None
+    def block(self, c, j):
+        """The vocab block core c reads at step j (clamped: a skipped step re-reads the last)."""
+        return jnp.minimum(c * self.nbc + j, self.nb - 1)
+
+
+def _geometry(t: tiling.Tiling, a, e) -> _Geometry:
     v_local = e.shape[0]
-    bn, bs, bv, cores, dp = t.bn, t.bs, t.bv, t.cores, t.d_pad
-    nb = -(-v_local // bv)
-    nbc = -(-nb // cores)
-    may_skip = nbc * cores != nb          # the last step of the last core has no block
-    mask_rows = v_local % bv != 0          # the last block's rows past V_local are unspecified
+    nb = -(-v_local // t.bv)
+    nbc = -(-nb // t.cores)
     cdt = a.dtype if a.dtype == e.dtype else jnp.promote_types(a.dtype, e.dtype)
-    nsub = bn // bs
+    return _Geometry(nb, nbc, nbc * t.cores != nb, v_local % t.bv != 0, cdt)
 
-    def blk(c, j):
-        return jnp.minimum(c * nbc + j, nb - 1)
 
-    col = lambda: pl.BlockSpec((bv, dp), lambda c, j, o: (blk(c, j), 0))          # E_j, dE_j
-    lane = lambda: pl.BlockSpec((1, bv), lambda c, j, o: (0, blk(c, j)))          # b_j, db_j
+def _operands(spec: Spec, t: tiling.Tiling, g: _Geometry, a, e, b, row_in, de_in, db_in, de_dtype):
+    """(inputs, outputs, aliases, scratch): [(name, array or ShapeDtypeStruct, BlockSpec)] in call
+    order, the dE/db input-output aliases (dE/db of earlier row chunks are read and overwritten in
+    place) and the VMEM scratch (an f32 dE accumulator for a 16-bit dE)."""
+    grad, v_local = spec.grad, e.shape[0]
+    bn, bv, cores, dp = t.bn, t.bv, t.cores, t.d_pad
+    col = lambda: pl.BlockSpec((bv, dp), lambda c, j, o: (g.block(c, j), 0))        # E_j, dE_j
+    lane = lambda: pl.BlockSpec((1, bv), lambda c, j, o: (0, g.block(c, j)))        # b_j, db_j
     resident = lambda w: pl.BlockSpec((bn, w), lambda c, j, o: (0, 0))           # A, row inputs
     per_core = lambda w: pl.BlockSpec((None, bn, w), lambda c, j, o: (c, 0, 0))  # lane outputs, dA
     inputs = [(n, x, spec_) for n, x, spec_ in (
@@ -132,34 +134,41 @@ def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vo
     outputs += [(n, jax.ShapeDtypeStruct(shape, dt), spec_) for n, shape, dt, spec_, want in (
         ("da", (cores, bn, dp), f32, per_core(dp), grad),
         ("de", (v_local, dp), de_dtype, col(), grad),
-        ("db", (1, v_local), f32, lane(), grad and has_bias)) if want]
-    inits = list(spec.row_out) + ([RowOut("da")] if grad else [])
+        ("db", (1, v_local), f32, lane(), grad and b is not None)) if want]
     names = [n for n, _, _ in inputs]
     out_names = [n for n, _, _ in outputs]
-    # dE/db of earlier row chunks are read and overwritten in place. Input
-    # positions count the scalar-prefetch operand (position 0).
+    # Input positions count the scalar-prefetch operand (position 0).
     aliases = {1 + names.index(n + "_in"): out_names.index(n) for n in ("de", "db") if n + "_in" in names}
-    scratch = []
-    de_scratch = grad and jnp.dtype(de_dtype) != jnp.float32
-    if de_scratch:
-        scratch.append(pltpu.VMEM((bv, dp), jnp.float32))
+    scratch = [pltpu.VMEM((bv, dp), jnp.float32)] if grad and jnp.dtype(de_dtype) != jnp.float32 else []
+    return inputs, outputs, aliases, scratch
 
-    def add_grad(step, g):
+
+def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: int, vocab_size: int,
+            has_bias: bool, accumulate: bool, mask_cols: bool, de_scratch: bool):
+    """The kernel body: at the first step of each core the resident outputs are filled; every step
+    reads E_j (its rows past V_local zeroed), masks dead columns, starts dE_j/db_j (from the last
+    chunk's when accumulating) and runs ``spec.tile`` over the row sub-tiles of bs rows."""
+    grad = spec.grad
+    bs, bv = t.bs, t.bv
+    nsub = t.bn // bs
+    inits = list(spec.row_out) + ([RowOut("da")] if grad else [])
+
+    def add_grad(step, gr):
         ref = step.ref
         if step.live is not None:
-            g = jnp.where(step.live, g, 0.0)
-        gc = g.astype(cdt)
+            gr = jnp.where(step.live, gr, 0.0)
+        gc = gr.astype(g.cdt)
         ref["da"][step.rows, :] += jnp.dot(gc, step.e, preferred_element_type=jnp.float32)
         acc = ref["de_acc"] if de_scratch else ref["de"]
         acc[...] += jax.lax.dot_general(gc, step.a, (((0,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32)
         if has_bias:
-            ref["db"][...] += jnp.sum(g, axis=0, keepdims=True)
+            ref["db"][...] += jnp.sum(gr, axis=0, keepdims=True)
 
     def kernel(off_ref, *refs):
-        ref = dict(zip(names + out_names + (["de_acc"] if de_scratch else []), refs))
+        ref = dict(zip(ref_names, refs))
         c, j = pl.program_id(0), pl.program_id(1)
-        jg = c * nbc + j
+        jg = c * g.nbc + j
 
         @pl.when(j == 0)
         def _init():
@@ -170,10 +179,10 @@ def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vo
 
         def step():
             e_blk = ref["e"][...]
-            if mask_rows:
+            if g.mask_rows:
                 row = jg * bv + jax.lax.broadcasted_iota(jnp.int32, (bv, 1), 0)
                 e_blk = jnp.where(row < v_local, e_blk, jnp.zeros_like(e_blk))
-            e_blk = e_blk.astype(cdt)
+            e_blk = e_blk.astype(g.cdt)
             bias = ref["b"][...].astype(jnp.float32) if has_bias else None
             live = None
             if mask_cols:
@@ -188,7 +197,7 @@ def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vo
 
             def sub_tile(s, carry):
                 rows = pl.ds(pl.multiple_of(s * bs, bs), bs)
-                a_s = ref["a"][rows, :].astype(cdt)
+                a_s = ref["a"][rows, :].astype(g.cdt)
                 x = jax.lax.dot_general(a_s, e_blk, (((1,), (1,)), ((), ())),
                                         preferred_element_type=jnp.float32)
                 if bias is not None:
@@ -200,32 +209,57 @@ def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vo
             if de_scratch:
                 ref["de"][...] = ref["de_acc"][...].astype(ref["de"].dtype)
 
-        if may_skip:
-            pl.when(jg < nb)(step)
+        if g.may_skip:
+            pl.when(jg < g.nb)(step)
         else:
             step()
 
+    return kernel
+
+
+def _cost(spec: Spec, t: tiling.Tiling, a, e, *, outputs, rows_in: int, has_bias: bool,
+          accumulate: bool) -> pl.CostEstimate:
+    """The call's cost estimate: the spec's flops and transcendentals per (row, column), and the
+    bytes of every operand and output."""
+    v_local, bn, dp = e.shape[0], t.bn, t.d_pad
     a_bytes, e_bytes = jnp.dtype(a.dtype).itemsize, jnp.dtype(e.dtype).itemsize
     out_bytes = sum(int(o.size) * jnp.dtype(o.dtype).itemsize for _, o, _ in outputs)
     in_bytes = bn * dp * a_bytes + v_local * dp * e_bytes + (v_local * 4 if has_bias else 0)
-    in_bytes += bn * 4 * len(row_in) + (v_local * (dp + 1) * 4 if accumulate else 0)
-    cost = pl.CostEstimate(
-        flops=int(spec.flops * bn * v_local * dp),
-        transcendentals=int(spec.transcendentals * bn * v_local),
-        bytes_accessed=int(in_bytes + out_bytes))
-    core_axis = t.chip.core_semantics if cores > 1 else "arbitrary"
-    params = tpu_compiler_params(dimension_semantics=(core_axis, "arbitrary"),
-                                 vmem_limit_bytes=t.chip.vmem_limit_bytes)
+    in_bytes += bn * 4 * rows_in + (v_local * (dp + 1) * 4 if accumulate else 0)
+    return pl.CostEstimate(flops=int(spec.flops * bn * v_local * dp),
+                           transcendentals=int(spec.transcendentals * bn * v_local),
+                           bytes_accessed=int(in_bytes + out_bytes))
+
+
+def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vocab_size: int,
+         mask_cols: bool, de_dtype, interpret):
+    """One pallas_call over all vocab blocks for one row tile.
+
+    a [bn, Dp], e [V_local, Dp], b [1, V_local] or None, row_in [(name, [bn, 1]
+    f32)], de_in [V_local, Dp] f32 / db_in [1, V_local] f32 (accumulated into,
+    aliased to the outputs) or None, off [1] int32.
+    Returns dict with each `RowOut` [cores, bn, 128], da [cores, bn, Dp] f32,
+    de [V_local, Dp], db [1, V_local] f32 (gradient specs; db with a bias).
+    """
+    g = _geometry(t, a, e)
+    inputs, outputs, aliases, scratch = _operands(spec, t, g, a, e, b, row_in, de_in, db_in, de_dtype)
+    out_names = [n for n, _, _ in outputs]
+    flags = dict(has_bias=b is not None, accumulate=de_in is not None)
+    kernel = _kernel(spec, t, g, [n for n, _, _ in inputs] + out_names + (["de_acc"] if scratch else []),
+                     v_local=e.shape[0], vocab_size=vocab_size, mask_cols=mask_cols, de_scratch=bool(scratch),
+                     **flags)
+    core_axis = t.chip.core_semantics if t.cores > 1 else "arbitrary"
     outs = pl.pallas_call(
         kernel,
         out_shape=[o for _, o, _ in outputs],
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(cores, nbc),
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(t.cores, g.nbc),
                                                in_specs=[s for _, _, s in inputs],
                                                out_specs=[s for _, _, s in outputs],
                                                scratch_shapes=scratch),
         input_output_aliases=aliases,
-        compiler_params=params,
-        cost_estimate=cost,
+        compiler_params=tpu_compiler_params(dimension_semantics=(core_axis, "arbitrary"),
+                                            vmem_limit_bytes=t.chip.vmem_limit_bytes),
+        cost_estimate=_cost(spec, t, a, e, outputs=outputs, rows_in=len(row_in), **flags),
         interpret=interpret,
         name=spec.name,
     )(off, *[x for _, x, _ in inputs])

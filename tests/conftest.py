@@ -32,12 +32,6 @@ import warnings  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-import recloss  # noqa: E402
-
-
-def strategies(objective: str = "bce"):
-    """Every registered strategy of ``objective``; Pallas ones run in interpret mode on CPU."""
-    return recloss.available_strategies(objective)
 
 
 # ----------------------------------------------------------------------------- seeds

@@ -35,7 +35,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 
 import recloss
-from conftest import strategies
+from helpers import strategies
 from oracle import bce_oracle, f64, sampled_oracle, softmax_oracle
 from recloss.sampled import sampler
 
@@ -307,7 +307,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 import jax
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp, numpy as np
-import test_conventions as tc
+import test_conventions as tc   # this module's own helpers, re-imported under x64
 seed = int(sys.argv[1])
 print("x64 subprocess seed", seed)
 rng = np.random.default_rng(seed)

@@ -17,68 +17,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import recloss
-from conftest import strategies
-from oracle import bce_oracle, f64, labels_and_invalid, options_for, pq_terms
+from helpers import assert_close, CANCEL_FLOOR, make_case, make_targets, options_for, strategies
+from oracle import bce_oracle, f64, labels_and_invalid, pq_terms
 
 STRATEGIES = strategies()
 COUNTS = ("tp", "fp", "fn", "tn")
 
 
 # ------------------------------------------------------------------------- inputs
-def make_targets(rng, lead, L, V, *, pad_id=-1, p_pad=0.25, p_dup=0.15, p_invalid=0.05,
-                 all_pad_rows=1):
-    """Random ids in [0, V) (pad_id excluded) with padding, repeats, invalid ids and all-pad rows."""
-    m = int(np.prod(lead))
-    low = 1 if pad_id == 0 else 0
-    t = rng.integers(low, max(V, low + 1), size=(m, L))
-    u = rng.random((m, L))
-    if L > 1:
-        t[:, 1:] = np.where(u[:, 1:] < p_dup, t[:, :-1], t[:, 1:])
-    bad = (u >= p_dup) & (u < p_dup + p_invalid)
-    above = V + rng.integers(0, 150, size=(m, L))
-    below = (-2 if pad_id == -1 else -1) - rng.integers(0, 50, size=(m, L))   # never pad_id
-    t = np.where(bad, np.where(rng.random((m, L)) < 0.5, above, below), t)
-    t = np.where(u > 1.0 - p_pad, pad_id, t)
-    if all_pad_rows and m > 1:
-        t[rng.choice(m, size=min(all_pad_rows, m - 1), replace=False)] = pad_id
-    return t.reshape(tuple(lead) + (L,)).astype(np.int32)
-
-
-def make_case(rng, *, lead=(2, 65), V=1000, D=123, L=8, rows=None, bias=False, weights=None,
-              logit_scale=2.0, huge=0.0, dtype=jnp.float32, **target_kw):
-    """Inputs with logits x ≈ N(0, logit_scale²) (+ bias ≈ N(−0.5, 1)).
-
-    weights: None, 'random' (uniform [0, 2) with ~20% zeros) or 'zeros'.
-    rows: table rows (≥ V); targets use V as the vocabulary.
-    huge: if > 0, 80% of the columns get a logit offset of ±[huge/2, huge] through
-      hidden[..., 0] = 1, so those logits are saturated (far from the σ transition,
-      where float32 rounding of x would make the gradient ill-conditioned).
-    """
-    rows = rows or V
-    lead = tuple(lead)
-    h = rng.normal(size=lead + (D,))
-    e = rng.normal(size=(rows, D)) * (logit_scale / np.sqrt(D))
-    if huge:
-        h[..., 0] = 1.0
-        e[:, 0] = rng.choice([-1.0, 0.0, 1.0], p=[0.4, 0.2, 0.4], size=rows) * rng.uniform(
-            huge / 2, huge, size=rows)
-    case = {
-        "hidden": jnp.asarray(h, dtype),
-        "table": jnp.asarray(e, dtype),
-        "targets": jnp.asarray(make_targets(rng, lead, L, V, **target_kw)),
-        "weights": None,
-        "bias": None,
-    }
-    if bias:
-        case["bias"] = jnp.asarray(rng.normal(-0.5, 1.0, size=(rows,)), dtype)
-    if weights == "random":
-        w = rng.uniform(0.0, 2.0, size=lead)
-        w[rng.random(lead) < 0.2] = 0.0
-        case["weights"] = jnp.asarray(w, jnp.float32)
-    elif weights == "zeros":
-        case["weights"] = jnp.zeros(lead, jnp.float32)
-    return case
-
 
 # ------------------------------------------------------------------------- running
 def _diff_names(case):
@@ -108,27 +54,6 @@ def run_loss(strategy, case, opts, cot=None, *, evaluate=True):
     (obj, out), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(args, case["targets"])
     evaluated = jax.jit(call)(args, case["targets"]) if evaluate else None
     return obj, out, dict(zip(names, grads)), evaluated
-
-
-def rel_err(got, ref, floor=0.0):
-    """‖got − ref‖ / max(‖ref‖, floor) (absolute error when both are 0)."""
-    got, ref = f64(got), f64(ref)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    den = max(np.linalg.norm(ref.ravel()), floor)
-    num = np.linalg.norm((got - ref).ravel())
-    return num / den if den > 0 else num
-
-
-def assert_close(got, ref, tol, what, floor=0.0):
-    assert np.all(np.isfinite(f64(got))), f"{what}: non-finite values"
-    err = rel_err(got, ref, floor)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
-
-
-# A result that cancels to (near) zero is judged against 1% of the size of its
-# terms (`OracleResult.loss_scale`, `.grad_scale`): float32 rounding is relative
-# to those. For realistic V the floor is far below the result and plays no role.
-CANCEL_FLOOR = 1e-2
 
 
 def assert_metrics(mets, ref, *, exact_counts: bool, rtol=1e-5):

@@ -10,9 +10,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import recloss
+from helpers import strategies
 from recloss_plugins.flax import LinenMultiLabelHead, MultiLabelHead, make_loss_fn, resolve_config
 
-from conftest import strategies
 
 try:
     import ml_collections

@@ -28,10 +28,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import recloss
+from helpers import strategies
 from recloss_plugins import maxtext as rm
 from recloss_plugins.maxtext import loss as rm_loss
 
-from conftest import strategies
 
 EPS = 1e-8
 
@@ -551,7 +551,7 @@ def test_maxtext_softmax_loss_and_grads_match_maxtext_own_cross_entropy(maxtext,
             "inputs_segmentation": jnp.ones((b, t), jnp.int32),
             "targets": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
             "targets_segmentation": jnp.asarray(rng.random((b, t)) < 0.8, jnp.int32)}
-    own = rm_loss._maxtext_loss_fn(train)
+    own = rm_loss.original_loss_fn(train)
     loss, grads = nnx.jit(nnx.value_and_grad(lambda m: rm.loss_fn(m, cfg, dict(data), None, None)[0]))(model)
     want, want_grads = nnx.jit(nnx.value_and_grad(lambda m: own(m, cfg, dict(data), None, None)[0]))(model)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)

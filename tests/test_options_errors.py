@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import recloss
+from helpers import strategies
 from recloss import registry
 from recloss.bce.strategies import CutBCE, DenseBCE
-from conftest import strategies
 
 STRATEGIES = strategies()
 B, N, V, D, L = 2, 5, 50, 8, 3

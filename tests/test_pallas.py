@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import recloss
+from helpers import pallas_calls
 from recloss.pallas import strategy as pallas_strategy
 from recloss.bce.strategies import CutBCEPallas
 from recloss.pallas import tiling
@@ -221,27 +222,9 @@ def test_detect_races_two_cores(rng):
 
 
 # ----------------------------------------------------------------------------- structure
-def _pallas_calls(jaxpr):
-    """(name, cost estimate) of the pallas_calls in a jaxpr, in order, looking inside nested jaxprs."""
-    names = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            names.append((eqn.params["name"], eqn.params["cost_estimate"]))
-            continue
-        stack = list(eqn.params.values())
-        while stack:
-            p = stack.pop(0)
-            if isinstance(p, (tuple, list)):
-                stack.extend(p)
-            elif hasattr(p, "eqns"):
-                names += _pallas_calls(p)
-            elif hasattr(getattr(p, "jaxpr", None), "eqns"):
-                names += _pallas_calls(p.jaxpr)
-    return names
-
 
 def _pallas_names(jaxpr):
-    return [name for name, _ in _pallas_calls(jaxpr)]
+    return [name for name, _ in pallas_calls(jaxpr)]
 
 
 def test_one_fused_sweep_for_loss_and_grad(rng):
@@ -250,7 +233,7 @@ def test_one_fused_sweep_for_loss_and_grad(rng):
     f = lambda h, e, bb: s(h, e, targets, None, bb).loss
     assert _pallas_names(jax.make_jaxpr(f)(hidden, table, b).jaxpr) == ["cutbce_loss"]
     grad = jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1, 2)))(hidden, table, b)
-    [(name, cost)] = _pallas_calls(grad.jaxpr)
+    [(name, cost)] = pallas_calls(grad.jaxpr)
     assert name == "cutbce_fused"
     # 6·M·V·D with M rounded to the row tile (16 rows) and D padded to 128 lanes.
     assert cost.flops == 6 * 16 * 200 * 128 and cost.transcendentals == 3 * 16 * 200

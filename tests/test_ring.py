@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import recloss
-import test_sharding as sh
-import test_softmax_sharding as smx
+from helpers import (SOFTMAX_OPTIONS, assert_matches, compiled_loss_grad, hlo_computations, loop_computations,
+                     loss_and_grads, make_inputs, make_layout, rel, v6e8_layout)
 from oracle import bce_oracle
 from recloss import targets as targets_lib
 
@@ -35,26 +35,24 @@ V, ROWS = 997, 1008
 def _ring_matches(objective, strategy, inputs, meshes, cot=None, **opts):
     """The ring on each mesh against one single-device reference (test_sharding checks 'once' against
     the same reference, so ring = once = single device). Returns the last mesh's (loss, metrics, grads)."""
-    mod = sh if objective == "bce" else smx
-    ref_loss, ref_m, ref_g = mod.loss_and_grads(strategy, inputs, None, cot, **opts)
+    ref_loss, ref_m, ref_g = loss_and_grads(strategy, inputs, None, cot, **opts)
     for shape in meshes:
-        loss, mets, grads = mod.loss_and_grads(strategy, inputs, sh.make_layout(shape, fsdp_gather="ring"),
-                                               cot, **opts)
-        assert loss.shape == ref_loss.shape and sh.rel(loss, ref_loss) <= 1e-5, (shape, loss, ref_loss)
+        loss, mets, grads = loss_and_grads(strategy, inputs, make_layout(shape, fsdp_gather="ring"), cot, **opts)
+        assert loss.shape == ref_loss.shape and rel(loss, ref_loss) <= 1e-5, (shape, loss, ref_loss)
         assert set(mets) == set(ref_m)
         for k in ref_m:
-            assert sh.rel(mets[k], ref_m[k]) <= 1e-5, (shape, k, mets[k], ref_m[k])
+            assert rel(mets[k], ref_m[k]) <= 1e-5, (shape, k, mets[k], ref_m[k])
         for name, g, rg in zip(("hidden", "table", "bias"), grads, ref_g):
             assert g.shape == rg.shape and g.dtype == rg.dtype
             assert float(jnp.max(jnp.abs(rg))) > 0, name      # the comparison means something
-            assert sh.rel(g, rg) <= 1e-4, (shape, name, sh.rel(g, rg))
+            assert rel(g, rg) <= 1e-4, (shape, name, rel(g, rg))
     return loss, mets, grads
 
 
 def test_cutbce_ring_equals_single_device(rng):
     """Every BCE option, bias, padding rows, on (1,8,1), (2,4,1), (1,4,2) (reduction='none', the
     recompute ring, is the softmax test's); the last mesh also against the float64 oracle."""
-    inputs = sh.make_inputs(rng, V=V, rows=ROWS)
+    inputs = make_inputs(rng, V=V, rows=ROWS)
     opts = dict(BCE_OPTIONS, vocab_size=V)
     loss, mets, grads = _ring_matches("bce", "cutbce", inputs, RING_MESHES, reduction="mean", **opts)
     # ... and the reference is itself exact: the float64 oracle.
@@ -62,7 +60,7 @@ def test_cutbce_ring_equals_single_device(rng):
                      reduction="mean", **opts)
     assert abs(float(loss) - ref.loss) <= 1e-5 * abs(ref.loss)
     for name, g in zip(("hidden", "table", "bias"), grads):
-        assert sh.rel(g, ref.grads[name]) <= 1e-4, name
+        assert rel(g, ref.grads[name]) <= 1e-4, name
     assert float(mets["num_targets"]) == ref.metrics["num_targets"]
     assert float(jnp.max(jnp.abs(grads[1][V:]))) == 0.0 and float(jnp.max(jnp.abs(grads[2][V:]))) == 0.0
     assert float(mets["invalid_targets"]) > 0 and float(mets["tp"]) > 0
@@ -70,26 +68,26 @@ def test_cutbce_ring_equals_single_device(rng):
 
 def test_cutbce_ring_bf16_and_large_logits_no_bias(rng):
     """bf16 hidden/table with logits near ±1e4, no bias, 'sum': ring equals once exactly in the math."""
-    inputs = sh.make_inputs(rng, V=V, rows=ROWS, bias=False)
+    inputs = make_inputs(rng, V=V, rows=ROWS, bias=False)
     inputs["hidden"] = (inputs["hidden"] * 300.0).astype(jnp.bfloat16)
     inputs["table"] = (inputs["table"] * 30.0).astype(jnp.bfloat16)
     out = {}
     for gather in ("once", "ring"):
-        layout = sh.make_layout((2, 4, 1), fsdp_gather=gather)
-        out[gather] = sh.loss_and_grads("cutbce", inputs, layout, reduction="sum", vocab_reduction="sum",
+        layout = make_layout((2, 4, 1), fsdp_gather=gather)
+        out[gather] = loss_and_grads("cutbce", inputs, layout, reduction="sum", vocab_reduction="sum",
                                         block_v=64, vocab_size=V)
     logits = np.asarray(inputs["hidden"], np.float32).reshape(-1, 16) @ np.asarray(inputs["table"], np.float32).T
     assert np.abs(logits).max() > 5e3
     assert np.isfinite(float(out["ring"][0]))
-    assert sh.rel(out["ring"][0], out["once"][0]) <= 1e-5
+    assert rel(out["ring"][0], out["once"][0]) <= 1e-5
     for a, b in zip(out["ring"][2], out["once"][2]):
-        assert a.dtype == jnp.bfloat16 and sh.rel(a, b) <= 2e-2
+        assert a.dtype == jnp.bfloat16 and rel(a, b) <= 2e-2
 
 
 def test_cutce_ring_equals_single_device(rng):
     """Softmax (label smoothing, z-loss, temperature): two rings (Z, then the dE recompute)."""
-    inputs = sh.make_inputs(rng, V=V, rows=ROWS)
-    opts = dict(smx.OPTIONS, block_v=40, vocab_size=V)
+    inputs = make_inputs(rng, V=V, rows=ROWS)
+    opts = dict(SOFTMAX_OPTIONS, block_v=40, vocab_size=V)
     _, mets, grads = _ring_matches("softmax", "cutce", inputs, RING_MESHES, reduction="mean", **opts)
     assert float(jnp.max(jnp.abs(grads[1][V:]))) == 0.0 and float(mets["top1"]) >= 0
     cot = jnp.asarray(rng.normal(size=inputs["hidden"].shape[:-1]), jnp.float32)
@@ -100,8 +98,8 @@ def test_cutce_ring_equals_single_device(rng):
 @pytest.mark.parametrize("strategy,objective", [("cutbce_pallas", "bce"), ("cutce_pallas", "softmax")])
 def test_pallas_ring_equals_single_device(strategy, objective, rng):
     """The Mosaic kernels (interpret mode on CPU) walked round the ring, fsdp=4 × vocab=2."""
-    inputs = sh.make_inputs(rng, V=V, rows=1024)
-    opts = dict(BCE_OPTIONS if objective == "bce" else smx.OPTIONS, vocab_size=V)
+    inputs = make_inputs(rng, V=V, rows=1024)
+    opts = dict(BCE_OPTIONS if objective == "bce" else SOFTMAX_OPTIONS, vocab_size=V)
     opts.pop("block_v"), opts.pop("block_n")
     _ring_matches(objective, strategy, inputs, [(1, 4, 2)], reduction="mean", **opts)
 
@@ -121,44 +119,44 @@ def test_gather_logits_vjp_matches_autodiff(rng):
     ref = jax.vjp(plain, h, e, b)[1](g)
     got = jax.vjp(lambda h, e, b: targets_lib.gather_logits(h, e, b, ids), h, e, b)[1](g)
     for a, r in zip(got, ref):
-        assert sh.rel(a, r) <= 1e-5
+        assert rel(a, r) <= 1e-5
 
 
 def test_dense_strategies_refuse_the_ring(rng):
-    inputs = sh.make_inputs(rng, V=V, rows=ROWS)
+    inputs = make_inputs(rng, V=V, rows=ROWS)
     with pytest.raises(ValueError, match=r"'dense_bce' does not take MeshLayout\(fsdp_gather='ring'\).*'once'"):
-        sh.loss_and_grads("dense_bce", inputs, sh.make_layout((2, 4, 1), fsdp_gather="ring"))
+        loss_and_grads("dense_bce", inputs, make_layout((2, 4, 1), fsdp_gather="ring"))
 
 
 def test_ring_without_fsdp_axis_is_a_no_op(rng):
     """fsdp_gather='ring' with no fsdp axis (None) or one of size 1 is allowed and gives the 'once' result."""
-    inputs = sh.make_inputs(rng, V=V, rows=ROWS)
-    lay = sh.make_layout((4, 2), names=("data", "vocab"), batch_axes=("data",), fsdp_axis=None,
+    inputs = make_inputs(rng, V=V, rows=ROWS)
+    lay = make_layout((4, 2), names=("data", "vocab"), batch_axes=("data",), fsdp_axis=None,
                          fsdp_gather="ring")
-    sh.assert_matches("dense_bce", inputs, lay, vocab_size=V)
-    lay = sh.make_layout((8, 1, 1), fsdp_gather="ring")
-    sh.assert_matches("dense_bce", inputs, lay, vocab_size=V)   # size-1 fsdp: no ring, dense allowed
+    assert_matches("dense_bce", inputs, lay, vocab_size=V)
+    lay = make_layout((8, 1, 1), fsdp_gather="ring")
+    assert_matches("dense_bce", inputs, lay, vocab_size=V)   # size-1 fsdp: no ring, dense allowed
 
 
 @pytest.mark.parametrize("bad", ["gather", "RING", None, 1])
 def test_bad_fsdp_gather_names_the_value(bad):
     with pytest.raises(ValueError, match=re.escape(f"fsdp_gather={bad!r} is not one of ('once', 'ring')")):
-        sh.make_layout((1, 8, 1), fsdp_gather=bad)
+        make_layout((1, 8, 1), fsdp_gather=bad)
 
 
 def test_ring_hlo_permutes_in_the_loop_and_saves_memory():
     """(1,8,1), V=100k, D=128: the ring has no all-gather or reduce-scatter of the table, collective-
     permutes inside while loops, and ≤ 1/3 of the 'once' path's temporary memory per device."""
     Vb, D = 100_000, 128
-    rows = recloss.padded_vocab_size(Vb, sh.make_layout((1, 8, 1)))
+    rows = recloss.padded_vocab_size(Vb, make_layout((1, 8, 1)))
     temp = {}
     for gather in ("once", "ring"):
-        compiled = sh._compiled_loss_grad("cutbce", sh.make_layout((1, 8, 1), fsdp_gather=gather), M=64,
+        compiled = compiled_loss_grad("cutbce", make_layout((1, 8, 1), fsdp_gather=gather), M=64,
                                           V=rows, D=D, vocab_size=Vb)
         temp[gather] = compiled.memory_analysis().temp_size_in_bytes
         hlo = compiled.as_text()
-    comps = sh._computations(hlo)
-    loops = sh._loop_computations(comps)
+    comps = hlo_computations(hlo)
+    loops = loop_computations(comps)
     lines = [(n, l) for n, text in comps.items() if n != "__entry__" for l in text.splitlines()]
     big = lambda l: re.search(r"f32\[\d{4,},128\]", l)      # a table-sized (≥ 1000-row) operand
     assert not [l for _, l in lines if re.search(r"\b(all-gather|reduce-scatter)(-start)?\(", l) and big(l)]
@@ -180,9 +178,9 @@ def test_tpu_v6e8_ring_compiles_the_kernel_and_saves_memory():
     Vb, D = 100_000, 128
     temp = {}
     for gather in ("once", "ring"):
-        layout = dataclasses.replace(sh._v6e8_layout((1, 8, 1)), fsdp_gather=gather)
+        layout = dataclasses.replace(v6e8_layout((1, 8, 1)), fsdp_gather=gather)
         rows = recloss.padded_vocab_size(Vb, layout)
-        ma = sh._compiled_loss_grad("cutbce_pallas", layout, M=8 * 128, V=rows, D=D, L=8, vocab_size=Vb,
+        ma = compiled_loss_grad("cutbce_pallas", layout, M=8 * 128, V=rows, D=D, L=8, vocab_size=Vb,
                                     interpret=False).memory_analysis()
         temp[gather] = ma.temp_size_in_bytes
     print({k: f"{v / 2**20:.1f} MiB" for k, v in temp.items()})

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 import recloss
-import test_core as core
-import test_sharding as sh
+from helpers import assert_close, CANCEL_FLOOR, make_inputs, make_layout, rel, strategies
 from oracle import f64, sampled_oracle
 from recloss.sampled import sampler
 
@@ -69,13 +68,13 @@ def check(case, opts, rng, *, log_q=None, tol_loss=1e-5, tol_grad=1e-4):
     out, grads = run(case, key, opts, cot=cot, log_q=log_q)
     ref = sampled_oracle(**case, negatives=neg, cotangent=cot, log_q=None if log_q is None else f64(log_q), **opts)
     assert out.loss.dtype == jnp.float32 and out.loss.shape == (lead if none else ())
-    core.assert_close(out.loss, ref.loss, tol_loss, "loss", core.CANCEL_FLOOR * np.linalg.norm(
+    assert_close(out.loss, ref.loss, tol_loss, "loss", CANCEL_FLOOR * np.linalg.norm(
         np.ravel(ref.loss_scale)) * 1e-3)
     for name, g in grads.items():
         assert g.dtype == case[name].dtype, (name, g.dtype)
-        floor = core.CANCEL_FLOOR * 1e-3 * np.linalg.norm(ref.grad_scale[name].ravel())
+        floor = CANCEL_FLOOR * 1e-3 * np.linalg.norm(ref.grad_scale[name].ravel())
         assert float(np.max(np.abs(ref.grads[name]))) > 0, name
-        core.assert_close(g, ref.grads[name], tol_grad, f"d/d{name}", floor)
+        assert_close(g, ref.grads[name], tol_grad, f"d/d{name}", floor)
     v = opts.get("vocab_size")
     if v is not None:
         assert np.all(f64(grads["table"])[v:] == 0.0) and np.all(f64(grads["bias"])[v:] == 0.0)
@@ -222,7 +221,7 @@ def test_accidental_hits_never_enter_the_denominator(cls, rng):
     kept = jax.jit(lambda *a: keep(*a, key=jax.random.key(0)))(*args)
     name = "sampled_softmax" if cls is FixedSoftmax else "gbce"
     ref = sampled_oracle(**case, negatives=strat.ids, strategy=name, reduction="none", vocab_size=60)
-    core.assert_close(out.loss, ref.loss, 1e-5, "loss")
+    assert_close(out.loss, ref.loss, 1e-5, "loss")
     assert float(out.loss[0]) != float(kept.loss[0])
     if cls is FixedSoftmax:
         strat.ids = [a, b]
@@ -255,9 +254,9 @@ def test_gbce_covering_the_catalogue_is_cutbce_with_vocab_sum(rng):
         return jax.jit(jax.value_and_grad(loss))(tuple(case[n] for n in names))
 
     (lg, gg), (lb, gb) = f(gbce), f("cutbce")
-    core.assert_close(lg, lb, 2e-6, "loss")
+    assert_close(lg, lb, 2e-6, "loss")
     for n, x, y in zip(names, gg, gb):
-        core.assert_close(x, y, 2e-5, f"d/d{n}")
+        assert_close(x, y, 2e-5, f"d/d{n}")
 
 
 MESHES = [(1, 1, 8), (2, 2, 2), (8, 1, 1)]
@@ -269,8 +268,8 @@ MESHES = [(1, 1, 8), (2, 2, 2), (8, 1, 1)]
                          ids=lambda o: o["strategy"])
 def test_sharded_equals_single_device(shape, opts, rng):
     """V = 1000 in 1024 rows; the negatives come from the same key on every shard ('none' on 2x2x2)."""
-    layout = sh.make_layout(shape)
-    inputs = sh.make_inputs(rng, V=1000, rows=1024)
+    layout = make_layout(shape)
+    inputs = make_inputs(rng, V=1000, rows=1024)
     log_q = jnp.asarray(rng.normal(size=1000), jnp.float32)
     for reduction in (("none",) if shape == (2, 2, 2) else ("mean",)):
         o = dict(opts, vocab_size=1000, reduction=reduction)
@@ -278,12 +277,12 @@ def test_sharded_equals_single_device(shape, opts, rng):
         ref, ref_g = run(inputs, jax.random.key(9), o, cot=cot, log_q=log_q)
         out, g = run(inputs, jax.random.key(9), o, cot=cot, log_q=log_q, layout=layout)
         assert out.loss.shape == ref.loss.shape
-        assert sh.rel(out.loss, ref.loss) <= 1e-5
+        assert rel(out.loss, ref.loss) <= 1e-5
         for k in ref.metrics:
-            assert sh.rel(out.metrics[k], ref.metrics[k]) <= 1e-5, k
+            assert rel(out.metrics[k], ref.metrics[k]) <= 1e-5, k
         for n in ("hidden", "table", "bias"):
             assert float(jnp.max(jnp.abs(ref_g[n]))) > 0
-            assert sh.rel(g[n], ref_g[n]) <= 1e-4, (n, sh.rel(g[n], ref_g[n]))
+            assert rel(g[n], ref_g[n]) <= 1e-4, (n, rel(g[n], ref_g[n]))
 
 
 def _big_vars(jaxpr, limit):
@@ -311,7 +310,7 @@ def test_no_array_of_size_m_times_v(strategy, rng):
     e = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
     t = jnp.asarray(rng.integers(0, v, size=(m, 4)), jnp.int32)
     opts = dict(num_negatives=32, in_batch_negatives=strategy == "sampled_softmax")
-    for layout in (None, sh.make_layout((2, 2, 2))):
+    for layout in (None, make_layout((2, 2, 2))):
         f = lambda h, e: recloss.sampled_loss(h, e, t, key=jax.random.key(0), strategy=strategy,
                                               layout=layout, **opts).loss
         jaxpr = jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1)))(h, e).jaxpr

@@ -17,79 +17,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import recloss
-from conftest import strategies
-from oracle import options_for
+from helpers import (assert_matches, compiled_loss_grad, hlo_computations, loop_computations, make_inputs,
+                     make_layout, rel, strategies, v6e8_layout)
 from recloss import sharding
 
-AXES = ("data", "fsdp", "vocab")
 ALL_OPTIONS = dict(label_smoothing=0.1, pos_weight=1.7, focal_gamma=1.5, focal_alpha=0.3,
                    threshold=0.25, block_v=128, block_n=8)
 MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 1, 2)]
 PALLAS_MESHES = [(1, 1, 8), (2, 2, 2)]
-
-
-def make_layout(shape, names=AXES, **roles):
-    mesh = Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
-    return recloss.MeshLayout(mesh, **roles)
-
-
-def rel(got, ref):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def make_inputs(rng, *, lead=(2, 8), D=16, V=1000, rows=1024, L=4, bias=True):
-    """hidden [*lead, D], table [rows, D] (rows ≥ V: padding), targets with pad ids (−1),
-    repeats and invalid ids (≥ V, including ids that fall in the padding rows), weights with zeros."""
-    m = int(np.prod(lead))
-    t = rng.integers(0, V, size=(m, L))
-    u = rng.random((m, L))
-    t[:, 1:] = np.where(u[:, 1:] < 0.2, t[:, :-1], t[:, 1:])               # repeats
-    t = np.where((u > 0.2) & (u < 0.3), V + rng.integers(0, rows - V + 40, size=(m, L)), t)
-    t = np.where(u > 0.75, -1, t)                                           # padding
-    t[0] = -1                                                               # an all-padding row
-    t[1, 0], t[2, -1] = V, rows + 7                                         # invalid ids on every seed
-    w = rng.uniform(0.0, 2.0, size=(m,))
-    w[rng.random(m) < 0.2] = 0.0
-    out = dict(
-        hidden=jnp.asarray(rng.normal(size=lead + (D,)), jnp.float32),
-        table=jnp.asarray(rng.normal(size=(rows, D)) * (2.0 / np.sqrt(D)), jnp.float32),
-        targets=jnp.asarray(t.reshape(lead + (L,)), jnp.int32),
-        weights=jnp.asarray(w.reshape(lead), jnp.float32),
-        bias=jnp.asarray(rng.normal(-0.5, 1.0, size=(rows,)), jnp.float32) if bias else None,
-    )
-    return out
-
-
-def loss_and_grads(strategy, inputs, layout, cot=None, **opts):
-    """(loss, metrics, grads of hidden/table/bias) of bce_loss, jitted; for reduction='none'
-    the gradient is of Σ cot·loss."""
-
-    def f(h, e, b):
-        out = recloss.bce_loss(h, e, inputs["targets"], inputs["weights"], b, strategy=strategy,
-                               layout=layout, **options_for(strategy, opts))
-        scalar = out.loss if cot is None else jnp.sum(out.loss * cot)
-        return scalar, out
-
-    argnums = (0, 1, 2) if inputs["bias"] is not None else (0, 1)
-    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True))(
-        inputs["hidden"], inputs["table"], inputs["bias"])
-    return out.loss, out.metrics, grads
-
-
-def assert_matches(strategy, inputs, layout, cot=None, **opts):
-    ref_loss, ref_m, ref_g = loss_and_grads(strategy, inputs, None, cot, **opts)
-    loss, mets, grads = loss_and_grads(strategy, inputs, layout, cot, **opts)
-    assert loss.shape == ref_loss.shape
-    assert rel(loss, ref_loss) <= 1e-5, (loss, ref_loss)
-    assert set(mets) == set(ref_m)
-    for k in ref_m:
-        assert rel(mets[k], ref_m[k]) <= 1e-5, (k, mets[k], ref_m[k])
-    for name, g, rg in zip(("hidden", "table", "bias"), grads, ref_g):
-        assert g.shape == rg.shape and g.dtype == rg.dtype
-        assert float(jnp.max(jnp.abs(rg))) > 0, name      # the comparison means something
-        assert rel(g, rg) <= 1e-4, (name, rel(g, rg))
-    return loss, mets, grads
 
 
 def _cases():
@@ -232,22 +167,6 @@ def test_default_specs():
 
 
 # ------------------------------------------------------------------------- memory and HLO
-def _compiled_loss_grad(strategy, layout, *, M, V, D, L=4, **opts):
-    """Compiled jit(value_and_grad) of the loss w.r.t. hidden and table, from shapes only."""
-
-    def f(h, e, t):
-        return recloss.bce_loss(h, e, t, strategy=strategy, layout=layout, **opts).loss
-
-    shapes = ((M, D), (V, D), (M, L))
-    dtypes = (jnp.float32, jnp.float32, jnp.int32)
-    if layout is None:
-        args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
-    else:
-        specs = sharding.default_specs(layout)
-        args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(layout.mesh, p))
-                for s, d, p in zip(shapes, dtypes, (specs.hidden, specs.table, specs.targets))]
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(*args).compile()
-
 
 def test_vocab_parallelism_splits_memory():
     M, V, D = 64, 100_000, 128
@@ -255,7 +174,7 @@ def test_vocab_parallelism_splits_memory():
     for strat in ("cutbce", "dense_bce"):
         for name, lay in (("data8", make_layout((8, 1, 1))), ("vocab8", make_layout((1, 1, 8))),
                           ("single", None)):
-            ma = _compiled_loss_grad(strat, lay, M=M, V=V, D=D).memory_analysis()
+            ma = compiled_loss_grad(strat, lay, M=M, V=V, D=D).memory_analysis()
             mem[strat, name] = (ma.argument_size_in_bytes + ma.output_size_in_bytes, ma.temp_size_in_bytes)
     print({k: v for k, v in mem.items()})
     # Per device: the vocab-sharded table and its gradient are 1/8 of the replicated ones.
@@ -264,48 +183,12 @@ def test_vocab_parallelism_splits_memory():
     assert mem["dense_bce", "vocab8"][1] <= mem["dense_bce", "single"][1] / 4
 
 
-def _computations(hlo: str):
-    """{computation name: body text} of an HLO module's text."""
-    comps, name, lines = {}, None, []
-    for line in hlo.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if m and not line.startswith(" "):
-            name, lines = m.group(1), []
-            if line.startswith("ENTRY"):
-                comps["__entry__"] = name
-        elif line.startswith("}") and name:
-            comps[name] = "\n".join(lines)
-            name = None
-        elif name:
-            lines.append(line)
-    return comps
-
-
-def _loop_computations(comps):
-    """Names of every computation reachable from a while loop's body or condition."""
-    called = lambda text: set(re.findall(r"(?:body|condition|to_apply|calls|branch_computations)="
-                                         r"\{?%?([\w.\-]+)", text))
-    todo = set()
-    for text in comps.values():
-        if isinstance(text, str):
-            todo |= set(re.findall(r"\bbody=%?([\w.\-]+)", text))
-            todo |= set(re.findall(r"\bcondition=%?([\w.\-]+)", text))
-    seen = set()
-    while todo:
-        n = todo.pop()
-        if n in seen or n not in comps:
-            continue
-        seen.add(n)
-        todo |= called(comps[n])
-    return seen
-
-
 def test_fsdp_hlo_gathers_once_and_reduce_scatters():
     layout = make_layout((2, 4, 1))
     V, D = 4096, 128
-    hlo = _compiled_loss_grad("cutbce", layout, M=64, V=V, D=D, block_v=256).as_text()
-    comps = _computations(hlo)
-    loops = _loop_computations(comps)
+    hlo = compiled_loss_grad("cutbce", layout, M=64, V=V, D=D, block_v=256).as_text()
+    comps = hlo_computations(hlo)
+    loops = loop_computations(comps)
     assert any(re.search(r"\bdot\(", comps[n]) for n in loops), "expected the block matmuls in a while loop"
     gathers = [(n, l) for n, text in comps.items() if n != "__entry__"
                for l in text.splitlines() if re.search(r"\ball-gather(-start)?\(", l)]
@@ -321,13 +204,6 @@ def test_fsdp_hlo_gathers_once_and_reduce_scatters():
 
 
 # ------------------------------------------------------------------------- TPU ahead-of-time
-def _v6e8_layout(shape):
-    from jax.experimental import topologies
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x4", chip_config_name="default",
-                                        chips_per_host_bounds=(2, 2, 1), num_slices=1)
-    mesh = Mesh(np.array(topo.devices).reshape(shape), AXES)
-    return recloss.MeshLayout(mesh)
-
 
 @pytest.mark.tpu_aot
 @pytest.mark.slow
@@ -340,11 +216,11 @@ def _v6e8_layout(shape):
 def test_tpu_v6e8_compiles_at_paper_shapes(strategy, shape):
     """Global batch 128 × N=256 positions, D=128, V=876,939 padded; loss+grad on a v6e-8 topology."""
     assert strategy in recloss.available_strategies(), recloss.available_strategies()
-    layout = _v6e8_layout(shape)
+    layout = v6e8_layout(shape)
     assert layout.platform == "tpu"
     B, N, D, L, V = 128, 256, 128, 8, 876_939
     rows = recloss.padded_vocab_size(V, layout)
-    compiled = _compiled_loss_grad(strategy, layout, M=B * N, V=rows, D=D, L=L, vocab_size=V)
+    compiled = compiled_loss_grad(strategy, layout, M=B * N, V=rows, D=D, L=L, vocab_size=V)
     ma = compiled.memory_analysis()
     total = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
              - ma.alias_size_in_bytes)

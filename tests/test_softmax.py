@@ -15,9 +15,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import recloss
-import test_core as core
-from conftest import strategies
-from oracle import f64, options_for, softmax_oracle
+from helpers import assert_close, CANCEL_FLOOR, make_case, options_for, strategies
+from oracle import f64, softmax_oracle
 
 STRATEGIES = strategies("softmax")
 
@@ -50,17 +49,17 @@ def check(strategy, case, opts, rng, *, tol_loss=1e-5, tol_grad=1e-4):
     ref = softmax_oracle(**case, cotangent=cot, **opts)
 
     assert out.loss.dtype == jnp.float32 and out.loss.shape == (lead if none else ())
-    floor = core.CANCEL_FLOOR * np.linalg.norm(np.ravel(ref.loss_scale))
-    core.assert_close(out.loss, ref.loss, tol_loss, "loss", floor)
-    core.assert_close(evaluated.loss, out.loss, 2e-6, "eval-only loss vs value_and_grad loss")
+    floor = CANCEL_FLOOR * np.linalg.norm(np.ravel(ref.loss_scale))
+    assert_close(out.loss, ref.loss, tol_loss, "loss", floor)
+    assert_close(evaluated.loss, out.loss, 2e-6, "eval-only loss vs value_and_grad loss")
     wsum = ref.metrics["weight_sum"]
     for name, g in grads.items():
         assert g.dtype == case[name].dtype, (name, g.dtype)
         if name == "weights" and opts.get("reduction", "mean") == "mean" and wsum == 0:
             assert np.all(np.isfinite(f64(g)))
             continue
-        gfloor = core.CANCEL_FLOOR * np.linalg.norm(ref.grad_scale[name].ravel())
-        core.assert_close(g, ref.grads[name], tol_grad, f"d/d{name}", gfloor)
+        gfloor = CANCEL_FLOOR * np.linalg.norm(ref.grad_scale[name].ravel())
+        assert_close(g, ref.grads[name], tol_grad, f"d/d{name}", gfloor)
     if opts.get("vocab_size") is not None:      # padding rows of the table are inert
         assert np.all(f64(grads["table"])[opts["vocab_size"]:] == 0.0)
         if "bias" in grads:
@@ -118,14 +117,14 @@ def test_matches_oracle(strategy, scenario, rng):
     # relative error δ in them. Logits of size 1e4 carry δ ≈ 2⁻²⁴·1e4 ≈ 6e-4 in any float32
     # implementation (dense included), so the gradient is judged at a few times that.
     tol_grad = max(1e-4, 4 * 2.0 ** -24 * case_kw.get("huge", 0.0))
-    check(strategy, core.make_case(rng, **case_kw), opts, rng, tol_grad=tol_grad)
+    check(strategy, make_case(rng, **case_kw), opts, rng, tol_grad=tol_grad)
 
 
 @pytest.mark.parametrize("scenario", list(BF16))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bf16_matches_oracle_on_rounded_inputs(strategy, scenario, rng):
     case_kw, opts = BF16[scenario]
-    case = core.make_case(rng, **case_kw)
+    case = make_case(rng, **case_kw)
     assert case["hidden"].dtype == jnp.bfloat16
     check(strategy, case, opts, rng, tol_loss=2e-2, tol_grad=2e-2)
 
@@ -133,7 +132,7 @@ def test_bf16_matches_oracle_on_rounded_inputs(strategy, scenario, rng):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_all_weights_zero(strategy, reduction, rng):
-    case = core.make_case(rng, lead=(2, 33), V=500, D=32, weights="zeros", bias=True)
+    case = make_case(rng, lead=(2, 33), V=500, D=32, weights="zeros", bias=True)
     out, grads, ref = check(strategy, case, dict(reduction=reduction), rng)
     assert np.all(f64(out.loss) == 0.0)
     for name, g in grads.items():
@@ -147,7 +146,7 @@ def test_all_weights_zero(strategy, reduction, rng):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_positions_without_targets_leave_the_mean(strategy, rng):
     """mean = Σ w·ℓ / Σ w over positions with a target: padding-only rows change neither part."""
-    case = core.make_case(rng, lead=(40,), V=400, D=24, L=4, p_pad=0.0, p_invalid=0.0, all_pad_rows=0)
+    case = make_case(rng, lead=(40,), V=400, D=24, L=4, p_pad=0.0, p_invalid=0.0, all_pad_rows=0)
     args = (case["hidden"], case["table"], case["targets"])
     base = recloss.softmax_loss(*args, strategy=strategy)
     padded_t = jnp.concatenate([case["targets"], jnp.full((9, 4), -1, jnp.int32)])
@@ -176,11 +175,11 @@ def test_single_label_equals_optax(strategy, rng):
 
     np.testing.assert_allclose(float(jax.jit(ours)(h, e, b)), float(theirs(h, e, b)), rtol=1e-6)
     for g, r in zip(jax.grad(ours, argnums=(0, 1, 2))(h, e, b), jax.grad(theirs, argnums=(0, 1, 2))(h, e, b)):
-        core.assert_close(g, r, 1e-5, "grad vs optax")
+        assert_close(g, r, 1e-5, "grad vs optax")
 
 
 def test_strategies_agree_with_each_other(rng):
-    case = core.make_case(rng, lead=(2, 33), V=600, D=32, weights="random", bias=True)
+    case = make_case(rng, lead=(2, 33), V=600, D=32, weights="random", bias=True)
     args = (case["hidden"], case["table"], case["targets"], case["weights"], case["bias"])
     opts = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.8)
     outs = [recloss.softmax_loss(*args, strategy=s, **opts) for s in STRATEGIES]
@@ -198,7 +197,7 @@ def test_strategies_agree_with_each_other(rng):
        block_v=st.sampled_from([None, 64, 130]), seed=st.integers(0, 2**31 - 1))
 def test_random_problems_match_oracle(m, v, d, l, eps, lam, tau, reduction, bias, block_v, seed):
     rng = np.random.default_rng(seed)
-    case = core.make_case(rng, lead=(m,), V=v, D=d, L=l, bias=bias, weights="random")
+    case = make_case(rng, lead=(m,), V=v, D=d, L=l, bias=bias, weights="random")
     opts = dict(label_smoothing=eps, z_loss=lam, temperature=tau, reduction=reduction, block_v=block_v,
                 block_n=16)
     check("cutce", case, opts, rng)
@@ -226,7 +225,7 @@ def test_cutce_gradient_holds_no_bn_by_v_buffer():
                                         ("label_smoothing", 1.0), ("label_smoothing", -0.1),
                                         ("temperature", float("nan"))])
 def test_bad_option_values_name_the_value(name, value, rng):
-    case = core.make_case(rng, lead=(4,), V=50, D=8, L=2)
+    case = make_case(rng, lead=(4,), V=50, D=8, L=2)
     with pytest.raises(ValueError) as info:
         recloss.softmax_loss(case["hidden"], case["table"], case["targets"], **{name: value})
     assert name in str(info.value) and repr(value) in str(info.value), str(info.value)
@@ -252,7 +251,7 @@ def test_softmax_only_options_are_an_error_for_bce(name, value):
 
 
 def test_entry_points_refuse_the_other_objective(rng):
-    case = core.make_case(rng, lead=(4,), V=50, D=8, L=2)
+    case = make_case(rng, lead=(4,), V=50, D=8, L=2)
     args = (case["hidden"], case["table"], case["targets"])
     with pytest.raises(ValueError) as info:
         recloss.bce_loss(*args, strategy="cutce")

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 import recloss
+from helpers import pallas_calls
 from recloss.pallas import strategy as pallas_strategy, tiling
 from recloss import sweep
 from recloss.shard import VocabShard
 from recloss.softmax import cut, kernel, partition
 from recloss.softmax.strategies import CutCEPallas
-from test_pallas import _pallas_calls   # one walker of nested jaxprs for both kernels' tests
 
 pytestmark = pytest.mark.filterwarnings("ignore:strategy 'cutce_pallas' is running")
 
@@ -233,11 +233,11 @@ def test_loss_sweep_then_recompute_sweep(rng):
     b = jnp.asarray(rng.normal(size=(200,)), jnp.float32)
     t = jnp.asarray(rng.integers(0, 200, size=(9, 3)), jnp.int32)
     f = lambda h, e, b: recloss.softmax_loss(h, e, t, bias=b, strategy="cutce_pallas").loss
-    [(name, cost)] = _pallas_calls(jax.make_jaxpr(f)(h, e, b).jaxpr)
+    [(name, cost)] = pallas_calls(jax.make_jaxpr(f)(h, e, b).jaxpr)
     # 2·M·V·D with M rounded to the row tile (16 rows) and D padded to 128 lanes; one exp per logit.
     assert name == "cutce_loss" and cost.flops == 2 * 16 * 200 * 128 and cost.transcendentals == 16 * 200
     grad = jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1, 2)))(h, e, b)
-    calls = _pallas_calls(grad.jaxpr)
+    calls = pallas_calls(grad.jaxpr)
     assert [n for n, _ in calls] == ["cutce_loss", "cutce_grad"]
     assert calls[1][1].flops == 6 * 16 * 200 * 128     # the logits again, dA and dE
 

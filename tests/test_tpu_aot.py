@@ -37,7 +37,7 @@ CHIP_OF = {"v5e-8": "v5e", "v6e-8": "v6e", "v5p-8": "v5p"}
 
 def _report(label, compiled, shape):
     ma = compiled.memory_analysis()
-    flops = topology._flops(compiled)
+    flops = topology.flops_of(compiled)
     ideal = 6 * shape.B * shape.N * shape.V * shape.D
     print(f"\n{label}: args {ma.argument_size_in_bytes / GiB:.3f} GiB, out {ma.output_size_in_bytes / GiB:.3f} "
           f"GiB, temp {ma.temp_size_in_bytes / 2**20:.1f} MiB; flops {flops:.4g} = {flops / ideal:.4f} × 6·BN·V·D")

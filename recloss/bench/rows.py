@@ -113,7 +113,7 @@ def _identity_parts(x, *args, grad=True):
     return (x,), (x if grad else None)
 
 
-def _matmuls_only_loss(h, e, t, **block):
+def matmuls_only_loss(h, e, t, **block):
     """`cutbce`'s blocked sweep with the loss math replaced by the identity: what is left is its three
     blocked matmuls and their bookkeeping, the ceiling of the fused pass on this machine (not a loss)."""
     import functools
@@ -149,7 +149,7 @@ def rows_for(objective: Objective, strategies: Sequence[str]) -> List[Row]:
             rows.append(Row("cutbce (recompute, paper design)", name, 8, {"reduction": "none"}, "recompute",
                             loss_of=of(name, True, reduction="none"), takes_block_v=True))
             rows.append(Row(MATMULS_ONLY, name, 6, {}, "matmuls", matmuls_only=True,
-                            loss_of=_matmuls_only_loss, takes_block_v=True))
+                            loss_of=matmuls_only_loss, takes_block_v=True))
         elif name == OPTAX:
             fn = optax_bce_loss if objective.name == "bce" else optax_softmax_loss
             rows.append(Row(objective.optax_label, name, 6, {}, "optax", loss_of=fn))

@@ -159,7 +159,9 @@ def is_oom(err: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def _flops(compiled) -> Optional[float]:
+def flops_of(compiled) -> Optional[float]:
+    """XLA's cost-analysis flops of a compiled program (Pallas kernels count their CostEstimate), or
+    None when it reports none."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
@@ -205,7 +207,7 @@ def topology_rows(topology: str, strategies: Iterable[str] = ("dense_bce", "cutb
                 row.update(hbm_bytes=int(ma.argument_size_in_bytes + ma.output_size_in_bytes
                                          + ma.temp_size_in_bytes),
                            temp_bytes=int(ma.temp_size_in_bytes), argument_bytes=int(ma.argument_size_in_bytes),
-                           output_bytes=int(ma.output_size_in_bytes), flops=_flops(compiled))
+                           output_bytes=int(ma.output_size_in_bytes), flops=flops_of(compiled))
             row["compile_s"] = round(time.perf_counter() - start, 1)
             rows.append(row)
     return rows

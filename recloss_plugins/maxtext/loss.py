@@ -149,7 +149,7 @@ def train_module():
     return importlib.import_module(_TRAIN_MODULE)
 
 
-def _maxtext_loss_fn(train):
+def original_loss_fn(train):
     """MaxText's own loss_fn, also after `install` replaced ``train.loss_fn``."""
     return getattr(train, _ORIGINAL, train.loss_fn)
 
@@ -180,7 +180,7 @@ def loss_fn(model, config, data, dropout_rng, params, sparsity_state=None, is_tr
         return vocab_loss(model_, hidden_states, data_, config_, is_train_, metrics_out=metrics)
 
     with _hook(train, hook):
-        loss, aux = _maxtext_loss_fn(train)(model, config, data, dropout_rng, params,
+        loss, aux = original_loss_fn(train)(model, config, data, dropout_rng, params,
                                             sparsity_state=sparsity_state, is_train=is_train)
     if not metrics:
         raise RuntimeError("MaxText's loss_fn did not call its vocab-tiling hook, so the recloss loss did "

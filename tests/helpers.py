@@ -1,0 +1,271 @@
+"""What several test modules share: the strategies under test, random inputs with the awkward cases
+(padding, repeats, invalid ids, all-padding rows, zero weights), mesh layouts, comparisons, the sharded
+loss-and-gradient runner, and readers of compiled HLO and of the Pallas calls in a jaxpr.
+
+Test modules import from here (and the float64 oracles from `oracle`), never from one another.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+import recloss
+from oracle import f64
+from recloss import sharding
+
+
+def strategies(objective: str = "bce"):
+    """Every registered strategy of ``objective``; Pallas ones run in interpret mode on CPU."""
+    return recloss.available_strategies(objective)
+
+
+# Options only some strategies take (an error elsewhere): the blocked ones' block sizes, the Pallas
+# ones' interpret mode. A case written once for every strategy of an objective passes them through this.
+_MECHANICS = ("block_v", "block_n", "interpret")
+
+
+def options_for(strategy: str, opts: Dict) -> Dict:
+    """``opts`` without the block sizes and interpret mode when ``strategy`` does not take them (the
+    dense baselines); every other option is kept, so a misdirected one is still an error."""
+    takes = recloss.get_strategy(strategy).options_supported
+    return {k: v for k, v in opts.items() if k not in _MECHANICS or k in takes}
+
+
+# ------------------------------------------------------------------------- inputs
+def make_targets(rng, lead, L, V, *, pad_id=-1, p_pad=0.25, p_dup=0.15, p_invalid=0.05,
+                 all_pad_rows=1):
+    """Random ids in [0, V) (pad_id excluded) with padding, repeats, invalid ids and all-pad rows."""
+    m = int(np.prod(lead))
+    low = 1 if pad_id == 0 else 0
+    t = rng.integers(low, max(V, low + 1), size=(m, L))
+    u = rng.random((m, L))
+    if L > 1:
+        t[:, 1:] = np.where(u[:, 1:] < p_dup, t[:, :-1], t[:, 1:])
+    bad = (u >= p_dup) & (u < p_dup + p_invalid)
+    above = V + rng.integers(0, 150, size=(m, L))
+    below = (-2 if pad_id == -1 else -1) - rng.integers(0, 50, size=(m, L))   # never pad_id
+    t = np.where(bad, np.where(rng.random((m, L)) < 0.5, above, below), t)
+    t = np.where(u > 1.0 - p_pad, pad_id, t)
+    if all_pad_rows and m > 1:
+        t[rng.choice(m, size=min(all_pad_rows, m - 1), replace=False)] = pad_id
+    return t.reshape(tuple(lead) + (L,)).astype(np.int32)
+
+
+def make_case(rng, *, lead=(2, 65), V=1000, D=123, L=8, rows=None, bias=False, weights=None,
+              logit_scale=2.0, huge=0.0, dtype=jnp.float32, **target_kw):
+    """Inputs with logits x ≈ N(0, logit_scale²) (+ bias ≈ N(−0.5, 1)).
+
+    weights: None, 'random' (uniform [0, 2) with ~20% zeros) or 'zeros'.
+    rows: table rows (≥ V); targets use V as the vocabulary.
+    huge: if > 0, 80% of the columns get a logit offset of ±[huge/2, huge] through
+      hidden[..., 0] = 1, so those logits are saturated (far from the σ transition,
+      where float32 rounding of x would make the gradient ill-conditioned).
+    """
+    rows = rows or V
+    lead = tuple(lead)
+    h = rng.normal(size=lead + (D,))
+    e = rng.normal(size=(rows, D)) * (logit_scale / np.sqrt(D))
+    if huge:
+        h[..., 0] = 1.0
+        e[:, 0] = rng.choice([-1.0, 0.0, 1.0], p=[0.4, 0.2, 0.4], size=rows) * rng.uniform(
+            huge / 2, huge, size=rows)
+    case = {
+        "hidden": jnp.asarray(h, dtype),
+        "table": jnp.asarray(e, dtype),
+        "targets": jnp.asarray(make_targets(rng, lead, L, V, **target_kw)),
+        "weights": None,
+        "bias": None,
+    }
+    if bias:
+        case["bias"] = jnp.asarray(rng.normal(-0.5, 1.0, size=(rows,)), dtype)
+    if weights == "random":
+        w = rng.uniform(0.0, 2.0, size=lead)
+        w[rng.random(lead) < 0.2] = 0.0
+        case["weights"] = jnp.asarray(w, jnp.float32)
+    elif weights == "zeros":
+        case["weights"] = jnp.zeros(lead, jnp.float32)
+    return case
+
+
+def rel_err(got, ref, floor=0.0):
+    """‖got − ref‖ / max(‖ref‖, floor) (absolute error when both are 0)."""
+    got, ref = f64(got), f64(ref)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    den = max(np.linalg.norm(ref.ravel()), floor)
+    num = np.linalg.norm((got - ref).ravel())
+    return num / den if den > 0 else num
+
+
+def assert_close(got, ref, tol, what, floor=0.0):
+    assert np.all(np.isfinite(f64(got))), f"{what}: non-finite values"
+    err = rel_err(got, ref, floor)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
+# A result that cancels to (near) zero is judged against 1% of the size of its
+# terms (`OracleResult.loss_scale`, `.grad_scale`): float32 rounding is relative
+# to those. For realistic V the floor is far below the result and plays no role.
+CANCEL_FLOOR = 1e-2
+
+
+# ------------------------------------------------------------------------- meshes
+AXES = ("data", "fsdp", "vocab")
+
+
+def make_layout(shape, names=AXES, **roles):
+    mesh = Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+    return recloss.MeshLayout(mesh, **roles)
+
+
+def rel(got, ref):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_inputs(rng, *, lead=(2, 8), D=16, V=1000, rows=1024, L=4, bias=True):
+    """hidden [*lead, D], table [rows, D] (rows ≥ V: padding), targets with pad ids (−1),
+    repeats and invalid ids (≥ V, including ids that fall in the padding rows), weights with zeros."""
+    m = int(np.prod(lead))
+    t = rng.integers(0, V, size=(m, L))
+    u = rng.random((m, L))
+    t[:, 1:] = np.where(u[:, 1:] < 0.2, t[:, :-1], t[:, 1:])               # repeats
+    t = np.where((u > 0.2) & (u < 0.3), V + rng.integers(0, rows - V + 40, size=(m, L)), t)
+    t = np.where(u > 0.75, -1, t)                                           # padding
+    t[0] = -1                                                               # an all-padding row
+    t[1, 0], t[2, -1] = V, rows + 7                                         # invalid ids on every seed
+    w = rng.uniform(0.0, 2.0, size=(m,))
+    w[rng.random(m) < 0.2] = 0.0
+    out = dict(
+        hidden=jnp.asarray(rng.normal(size=lead + (D,)), jnp.float32),
+        table=jnp.asarray(rng.normal(size=(rows, D)) * (2.0 / np.sqrt(D)), jnp.float32),
+        targets=jnp.asarray(t.reshape(lead + (L,)), jnp.int32),
+        weights=jnp.asarray(w.reshape(lead), jnp.float32),
+        bias=jnp.asarray(rng.normal(-0.5, 1.0, size=(rows,)), jnp.float32) if bias else None,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------- sharded runs
+# Every softmax option at a non-default value, with small blocks (sharded and ring tests).
+SOFTMAX_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.7, block_v=128, block_n=8)
+
+
+def loss_and_grads(strategy, inputs, layout, cot=None, **opts):
+    """(loss, metrics, grads of hidden/table[/bias]) of the strategy's entry point on `make_inputs`'s
+    ``inputs``, jitted; for reduction='none' the gradient is of Σ cot·loss."""
+    entry = recloss.softmax_loss if recloss.get_strategy(strategy).objective == "softmax" else recloss.bce_loss
+
+    def f(h, e, b):
+        out = entry(h, e, inputs["targets"], inputs["weights"], b, strategy=strategy, layout=layout,
+                    **options_for(strategy, opts))
+        return (out.loss if cot is None else jnp.sum(out.loss * cot)), out
+
+    argnums = (0, 1, 2) if inputs["bias"] is not None else (0, 1)
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True))(
+        inputs["hidden"], inputs["table"], inputs["bias"])
+    return out.loss, out.metrics, grads
+
+
+def assert_matches(strategy, inputs, layout, cot=None, **opts):
+    """The loss, metrics and gradients under ``layout`` equal the single-device ones (and the
+    gradients are not all zero, so the comparison means something)."""
+    ref_loss, ref_m, ref_g = loss_and_grads(strategy, inputs, None, cot, **opts)
+    loss, mets, grads = loss_and_grads(strategy, inputs, layout, cot, **opts)
+    assert loss.shape == ref_loss.shape
+    assert rel(loss, ref_loss) <= 1e-5, (loss, ref_loss)
+    assert set(mets) == set(ref_m)
+    for k in ref_m:
+        assert rel(mets[k], ref_m[k]) <= 1e-5, (k, mets[k], ref_m[k])
+    for name, g, rg in zip(("hidden", "table", "bias"), grads, ref_g):
+        assert g.shape == rg.shape and g.dtype == rg.dtype
+        assert float(jnp.max(jnp.abs(rg))) > 0, name
+        assert rel(g, rg) <= 1e-4, (name, rel(g, rg))
+    return loss, mets, grads
+
+
+# ------------------------------------------------------------------------- compiled programs
+def compiled_loss_grad(strategy, layout, *, M, V, D, L=4, **opts):
+    """Compiled jit(value_and_grad) of the loss w.r.t. hidden and table, from shapes only."""
+
+    def f(h, e, t):
+        return recloss.bce_loss(h, e, t, strategy=strategy, layout=layout, **opts).loss
+
+    shapes = ((M, D), (V, D), (M, L))
+    dtypes = (jnp.float32, jnp.float32, jnp.int32)
+    if layout is None:
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+    else:
+        specs = sharding.default_specs(layout)
+        args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(layout.mesh, p))
+                for s, d, p in zip(shapes, dtypes, (specs.hidden, specs.table, specs.targets))]
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(*args).compile()
+
+
+def hlo_computations(hlo: str):
+    """{computation name: body text} of an HLO module's text."""
+    comps, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m and not line.startswith(" "):
+            name, lines = m.group(1), []
+            if line.startswith("ENTRY"):
+                comps["__entry__"] = name
+        elif line.startswith("}") and name:
+            comps[name] = "\n".join(lines)
+            name = None
+        elif name:
+            lines.append(line)
+    return comps
+
+
+def loop_computations(comps):
+    """Names of every computation reachable from a while loop's body or condition."""
+    called = lambda text: set(re.findall(r"(?:body|condition|to_apply|calls|branch_computations)="
+                                         r"\{?%?([\w.\-]+)", text))
+    todo = set()
+    for text in comps.values():
+        if isinstance(text, str):
+            todo |= set(re.findall(r"\bbody=%?([\w.\-]+)", text))
+            todo |= set(re.findall(r"\bcondition=%?([\w.\-]+)", text))
+    seen = set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n not in comps:
+            continue
+        seen.add(n)
+        todo |= called(comps[n])
+    return seen
+
+
+def v6e8_layout(shape):
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x4", chip_config_name="default",
+                                        chips_per_host_bounds=(2, 2, 1), num_slices=1)
+    mesh = Mesh(np.array(topo.devices).reshape(shape), AXES)
+    return recloss.MeshLayout(mesh)
+
+
+# ------------------------------------------------------------------------- Pallas calls
+def pallas_calls(jaxpr):
+    """(name, cost estimate) of the pallas_calls in a jaxpr, in order, looking inside nested jaxprs."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append((eqn.params["name"], eqn.params["cost_estimate"]))
+            continue
+        stack = list(eqn.params.values())
+        while stack:
+            p = stack.pop(0)
+            if isinstance(p, (tuple, list)):
+                stack.extend(p)
+            elif hasattr(p, "eqns"):
+                names += pallas_calls(p)
+            elif hasattr(getattr(p, "jaxpr", None), "eqns"):
+                names += pallas_calls(p.jaxpr)
+    return names

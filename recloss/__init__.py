@@ -9,7 +9,7 @@ from recloss.api import bce_loss, sampled_loss, softmax_loss
 from recloss.assemble import LossOutput
 from recloss.options import LossOptions
 from recloss.sampled import log_q_from_counts
-from recloss.registry import available_strategies, get_strategy, register_strategy
+from recloss.registry import available_strategies, get_strategy, register_strategy, unregister_strategy
 from recloss.sharding import MeshLayout, Specs, padded_vocab_size
 from recloss.strategy import Strategy
 
@@ -27,6 +27,7 @@ __all__ = [
     "register_strategy",
     "sampled_loss",
     "softmax_loss",
+    "unregister_strategy",
 ]
 
 __version__ = _version.version()   # pyproject.toml's, from the package metadata

@@ -29,6 +29,13 @@ def register_strategy(name: str, factory: Callable):
     _REGISTRY[name] = factory
 
 
+def unregister_strategy(name: str):
+    """Removes the strategy ``name`` (a KeyError naming the registered ones when there is none)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"no strategy {name!r} is registered; registered are {available_strategies()}")
+    del _REGISTRY[name]
+
+
 def available_strategies(objective: Optional[str] = None) -> tuple:
     """Names of the registered strategies, sorted; only those of ``objective`` ('bce', 'softmax', 'sampled')
     when given."""

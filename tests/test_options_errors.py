@@ -205,9 +205,13 @@ def test_get_strategy_merges_options_and_keywords():
 
 # ------------------------------------------------------------------------- registry
 @pytest.fixture
-def scratch_registry(monkeypatch):
-    """Registrations made by a test vanish after it (there is no public unregister)."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+def scratch_registry():
+    """Registrations a test makes vanish after it; the built-ins are never replaced by these tests."""
+    before = set(recloss.available_strategies())
+    yield
+    for name in set(recloss.available_strategies()) - before:
+        recloss.unregister_strategy(name)
+    assert set(recloss.available_strategies()) == before
 
 
 class _Doubled(DenseBCE):
@@ -316,3 +320,11 @@ def test_pallas_strategy_arguments_through_get_strategy_and_the_entry_point(inpu
             recloss.get_strategy(name, chip="v5p")
     with pytest.raises(TypeError, match="takes no argument"):
         _call("cutbce", inputs, chip="v5p")
+
+
+def test_unregister_strategy(scratch_registry):
+    recloss.register_strategy("doubled_dense", _Doubled)
+    recloss.unregister_strategy("doubled_dense")
+    assert "doubled_dense" not in recloss.available_strategies()
+    with pytest.raises(KeyError, match="no strategy 'doubled_dense' is registered; registered are .*'cutbce'"):
+        recloss.unregister_strategy("doubled_dense")

@@ -12,7 +12,6 @@ from recloss_plugins.config import default_config_path, load_config
 from recloss_plugins.sasrec import data as D
 from recloss_plugins.sasrec import eval as eval_lib
 from recloss_plugins.sasrec import parallel
-from recloss_plugins.sasrec import train as T
 from recloss_plugins.sasrec.data import pipeline as G
 from recloss_plugins.sasrec.data import prepare as P
 
@@ -110,12 +109,13 @@ def test_local_eval_of_the_prepared_users_matches_the_in_memory_eval(prepared, t
     program = program_for(cfg, mesh, gd.vocab_size)
     params = program.init()["params"]
     for name in ("dev",):           # 'test' differs only in the split's cut (tests/test_multiprocess.py runs it)
-        got = eval_lib.evaluate_local(program, params, gd.eval_split(name), popularity_counts=gd.popularity)
-        ref = T.evaluate(program, params, getattr(mem, name), popularity_counts=mem.popularity)
+        got = eval_lib.evaluate(program, params, gd.eval_split(name), popularity_counts=gd.popularity)
+        ref = eval_lib.evaluate(program, params, getattr(mem, name), popularity_counts=mem.popularity,
+                                replicated=True)
         assert got["model"]["users"] == ref["model"]["users"] == getattr(mem, name).num_users > 24
         assert got["model"]["hit@8"] > 0
         for part in ("model", "popularity"):
             for k, v in ref[part].items():
                 assert got[part][k] == pytest.approx(v, abs=1e-9), (name, part, k)
-    capped = eval_lib.evaluate_local(program, params, gd.eval_split("dev"), max_users=10)
+    capped = eval_lib.evaluate(program, params, gd.eval_split("dev"), max_users=10)
     assert capped["model"]["users"] == 10

@@ -7,6 +7,7 @@ the top-K ids and each user's held-out items into Hit@K, Recall@K and NDCG@K.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Dict
 
@@ -129,20 +130,30 @@ def _allgather_sum(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(np.asarray(x)[None], tiled=True)).sum(axis=0)
 
 
-def evaluate_local(program, params, split, *, max_users: int = 0,
-                   popularity_counts=None) -> Dict[str, Dict[str, float]]:
-    """Hit/Recall/NDCG@K when each process holds only its share of the users (``split``).
+def evaluate(program, params, split, *, max_users: int = 0, popularity_counts=None,
+             replicated: bool = False) -> Dict[str, Dict[str, float]]:
+    """Hit/Recall/NDCG@K of the model (and of the most-popular baseline) on ``split``.
 
-    Every process feeds its rows of each global eval batch (`parallel.put_process_local`; the
-    batch is eval_batch_size rounded up to the batch shards, its process share padded with dummy
-    users that are dropped), for as many batches as the process with the most users needs. The
-    per-user metrics are summed on each process and the sums added across processes, so the result
-    is the mean over all users of all processes: {'model': summarize-like dict, 'popularity': ...}.
-    ``max_users`` caps each process at ceil(max_users / process_count) users (0 = all)."""
+    ``split`` is this process's share of the users (the Grain pipeline), or with ``replicated`` every
+    user on every process (an in-memory dataset), of which each process then scores its contiguous
+    share of the first ``max_users``. Every process feeds its rows of each global eval batch
+    (`parallel.put_process_local`; the batch is eval_batch_size rounded up to the batch shards, its
+    process share padded with dummy users that are dropped), for as many batches as the process with
+    the most users needs. The per-user metrics are summed on each process and the sums added across
+    processes, so the result is the mean over all users of all processes: {'model': {'hit@K',
+    'recall@K', 'ndcg@K', 'users'}, 'popularity': ...}. Without ``replicated``, ``max_users`` caps
+    each process at ceil(max_users / process_count) users (0 = all)."""
     from recloss_plugins.sasrec import parallel
 
     cfg, k = program.cfg, program.cfg.eval_top_k
     P_ = jax.process_count()
+    if replicated:
+        total = split.num_users if not max_users else min(max_users, split.num_users)
+        share = -(-total // P_)
+        a, z = min(jax.process_index() * share, total), min((jax.process_index() + 1) * share, total)
+        split = dataclasses.replace(split, inputs=split.inputs[a:z], lengths=split.lengths[a:z],
+                                    targets=split.targets[a:z], users=split.users[a:z])
+        max_users = 0
     n = split.num_users if not max_users else min(-(-max_users // P_), split.num_users)
     shards = program.layout.batch_shards
     bs = -(-cfg.eval_batch_size // shards) * shards

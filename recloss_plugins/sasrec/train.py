@@ -115,43 +115,12 @@ def _fmt_loss_metrics(values: Dict[str, float]) -> str:
 
 
 # ----------------------------------------------------------------------------- evaluation
-def evaluate(program: Program, params, split: data_lib.EvalSplit, *, max_users: int = 0,
-             popularity_counts: Optional[np.ndarray] = None) -> Dict[str, Dict[str, float]]:
-    """Hit/Recall/NDCG@K of the model (and of the most-popular baseline) on ``split``.
-
-    Users are scored in batches of eval_batch_size (rounded up to the batch
-    shards), the last batch padded with dummy users that are dropped."""
-    cfg, k = program.cfg, program.cfg.eval_top_k
-    n = split.num_users if not max_users else min(max_users, split.num_users)
-    shards = program.layout.batch_shards
-    bs = -(-cfg.eval_batch_size // shards) * shards
-    in_sh = jax.sharding.NamedSharding(program.mesh, program.layout.batch_spec(2))
-    len_sh = jax.sharding.NamedSharding(program.mesh, program.layout.batch_spec(1))
-    tops = []
-    for lo in range(0, n, bs):
-        hi = min(lo + bs, n)
-        inputs = np.zeros((bs, cfg.max_seq_len), np.int32)
-        lengths = np.ones(bs, np.int32)
-        inputs[:hi - lo] = split.inputs[lo:hi]
-        lengths[:hi - lo] = split.lengths[lo:hi]
-        _, ids = program.eval_top_k(params, parallel.put_global(inputs, in_sh),
-                                    parallel.put_global(lengths, len_sh))
-        tops.append(parallel.to_host(ids)[:hi - lo])
-    top = np.concatenate(tops) if tops else np.zeros((0, k), np.int32)
-    targets = split.targets[:n]
-    out = {"model": eval_lib.summarize(eval_lib.ranking_metrics(top, targets), k)}
-    if popularity_counts is not None:
-        pop = np.broadcast_to(eval_lib.popularity_top_k(popularity_counts, k), (n, k))
-        out["popularity"] = eval_lib.summarize(eval_lib.ranking_metrics(pop, targets), k)
-    return out
-
-
 def _evaluate(program: Program, params, ds, name: str, **kw) -> Dict[str, Dict[str, float]]:
-    """`evaluate` of split ``name`` of an in-memory Dataset; for Grain data each process scores its
-    own users (`eval.evaluate_local`) and the metrics are combined across processes."""
+    """`eval.evaluate` of split ``name``: for Grain data each process holds and scores its own users;
+    an in-memory Dataset holds every user on every process, each scoring its share."""
     if isinstance(ds, pipeline_lib.GrainData):
-        return eval_lib.evaluate_local(program, params, ds.eval_split(name), **kw)
-    return evaluate(program, params, getattr(ds, name), **kw)
+        return eval_lib.evaluate(program, params, ds.eval_split(name), **kw)
+    return eval_lib.evaluate(program, params, getattr(ds, name), replicated=True, **kw)
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -13,7 +13,7 @@ The iterator's state (the next step index) goes into the Orbax checkpoint, so a 
 exactly the batches an uninterrupted one would.
 
 Evaluation splits are built from the process's own users (`GrainData.eval_split`), each process
-scoring its share (`eval.evaluate_local`).
+scoring its share (`eval.evaluate`).
 """
 
 from __future__ import annotations

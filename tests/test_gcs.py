@@ -75,7 +75,8 @@ def test_train_to_bucket_and_resume_equals_uninterrupted(gcs, tmp_path, monkeypa
     from etils import epath
 
     from recloss_plugins.sasrec import data as D
-    from recloss_plugins.sasrec.train import Checkpoints, train
+    from recloss_plugins.sasrec.checkpoints import Checkpoints
+    from recloss_plugins.sasrec.train import train
 
     monkeypatch.chdir(tmp_path)  # nothing may land on the local disk
     base = f"gs://{gcs.bucket}/{_prefix()}/runs"

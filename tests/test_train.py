@@ -16,7 +16,8 @@ import pytest
 import recloss
 from recloss_plugins.config import default_config_path, load_config
 from recloss_plugins.sasrec import data as D
-from recloss_plugins.sasrec.train import NonFiniteLossError, Checkpoints, main, train
+from recloss_plugins.sasrec.checkpoints import Checkpoints
+from recloss_plugins.sasrec.train import NonFiniteLossError, main, train
 
 TINY = [
     "synthetic_num_users=48", "synthetic_num_items=511", "synthetic_min_len=20", "synthetic_max_len=30",
@@ -143,7 +144,7 @@ def test_softmax_strategy_trains_logs_top1_and_beats_popularity(tmp_path, capsys
 
 
 def test_loss_metrics_follow_the_objective():
-    from recloss_plugins.sasrec.train import loss_metrics
+    from recloss_plugins.sasrec.logging_utils import loss_metrics
     bce = [(0, {"tp": 2.0, "fp": 2.0, "fn": 6.0, "weight_sum": 4.0}), (1, {"tp": 2.0, "fp": 0.0, "fn": 0.0,
                                                                           "weight_sum": 4.0})]
     assert loss_metrics("bce", bce) == {"precision": pytest.approx(4 / 6), "recall": pytest.approx(4 / 10)}

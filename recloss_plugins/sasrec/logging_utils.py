@@ -1,4 +1,5 @@
-"""Metric sinks (TensorBoard event files and a JSONL file) and the terminal progress line."""
+"""Metric sinks (TensorBoard event files and a JSONL file), the terminal progress line, and what the
+trainer logs: the objective's metrics over a log window and the formatted evaluation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 from typing import Dict, List, Optional
 
 from etils import epath
+
+from recloss import metrics as metrics_lib
 
 
 def format_duration(seconds: float) -> str:
@@ -158,3 +161,42 @@ class Progress:
         if self.enabled:
             self.stream.write("\r\033[K")
             self.stream.flush()
+
+
+# ----------------------------------------------------------------------------- what is logged
+def loss_metrics(objective: str, rows) -> Dict[str, float]:
+    """The objective's metrics over a log window, from its steps' metrics (``rows``: [(step, dict of floats)]).
+
+    BCE: ``precision`` and ``recall`` at the threshold from the summed tp/fp/fn.
+    Softmax: ``top1``, the weighted share of positions whose highest-scoring item
+    is one of their targets (Σ top1 / Σ weight_sum), and ``mean_lse``, the
+    weighted mean log-partition logsumexp(logits) (what z_loss pulls towards 0).
+    A strategy of another objective gets whichever of the two its metrics allow.
+    Values are NaN when the metrics are missing or no position had a target.
+    """
+    first = rows[0][1] if rows else {}
+    nan = float("nan")
+    if objective == "softmax" or (objective != "bce" and "top1" in first):
+        ws = sum(m.get("weight_sum", 0.0) for _, m in rows)
+        if "top1" not in first or ws <= 0:
+            return {"top1": nan, "mean_lse": nan}
+        out = {"top1": sum(m["top1"] for _, m in rows) / ws}
+        if "mean_lse" in first:    # a sampled loss has no log-partition: its top1 is among the sampled set
+            out["mean_lse"] = sum(m["mean_lse"] * m["weight_sum"] for _, m in rows) / ws
+        return out
+    if objective == "bce" or "tp" in first:
+        if "tp" not in first:
+            return {"precision": nan, "recall": nan}
+        agg = {k: sum(m[k] for _, m in rows) for k in ("tp", "fp", "fn")}
+        prec, rec = metrics_lib.precision_recall(agg)
+        return {"precision": float(prec), "recall": float(rec)}
+    return {}
+
+
+def format_loss_metrics(values: Dict[str, float]) -> str:
+    digits = {"precision": ".3f", "recall": ".3f", "top1": ".3f", "mean_lse": ".4g"}
+    return " ".join(f"{k} {v:{digits.get(k, '.4g')}}" for k, v in values.items())
+
+
+def format_eval(res: Dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.4f}" for k, v in res.items() if k != "users")

@@ -98,14 +98,10 @@ TABLE_PARAMS = (("item_emb", "embedding"), ("out_table",))
 BIAS_PARAMS = (("out_bias",),)
 
 
-def _path_names(path) -> tuple:
-    out = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                out.append(getattr(k, attr))
-                break
-    return tuple(out)
+def path_names(path) -> tuple:
+    """The names of a pytree key path (dict keys, attribute names, sequence indices), e.g.
+    ('item_emb', 'embedding'); the one reading of a path for shardings and checkpoint checks."""
+    return tuple(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k) for k in path)
 
 
 def param_specs(params, layout: recloss.MeshLayout, specs: recloss.Specs):
@@ -113,7 +109,7 @@ def param_specs(params, layout: recloss.MeshLayout, specs: recloss.Specs):
     fsdp = layout.fsdp_shards
 
     def rule(path, x):
-        names = _path_names(path)
+        names = path_names(path)
         if names in TABLE_PARAMS:
             return specs.table
         if names in BIAS_PARAMS:

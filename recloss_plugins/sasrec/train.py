@@ -25,18 +25,16 @@ from typing import Dict, Optional
 import jax
 import numpy as np
 
-from recloss import metrics as metrics_lib
 from recloss_plugins.config import ConfigError, dump_config, load_config
 from recloss_plugins.sasrec import data as data_lib
 from recloss_plugins.sasrec import distributed
 from recloss_plugins.sasrec import eval as eval_lib
 from recloss_plugins.sasrec import parallel
 from recloss_plugins.sasrec.data import pipeline as pipeline_lib
-from recloss_plugins.sasrec.logging_utils import MetricsWriter, Progress, format_duration
+from recloss_plugins.sasrec.checkpoints import Checkpoints
+from recloss_plugins.sasrec.logging_utils import (MetricsWriter, Progress, format_duration, format_eval,
+                                                  format_loss_metrics, loss_metrics)
 from recloss_plugins.sasrec.program import Program, format_memory, memory_report, program_for
-
-# The key-data shape of each PRNG implementation, for checkpoints that predate the recorded `prng_impl`.
-_KEY_DATA_IMPLS = {(2,): "threefry2x32", (4,): "rbg or unsafe_rbg"}
 
 USAGE = """usage: recloss-train [CONFIG.yml] [key=value ...]
 
@@ -79,41 +77,6 @@ def _run_dir(cfg) -> Path:
     return data_lib.as_path(cfg.base_output_directory, "base_output_directory") / name
 
 
-# ----------------------------------------------------------------------------- logged loss metrics
-def loss_metrics(objective: str, rows) -> Dict[str, float]:
-    """The objective's metrics over a log window, from its steps' metrics (``rows``: [(step, dict of floats)]).
-
-    BCE: ``precision`` and ``recall`` at the threshold from the summed tp/fp/fn.
-    Softmax: ``top1``, the weighted share of positions whose highest-scoring item
-    is one of their targets (Σ top1 / Σ weight_sum), and ``mean_lse``, the
-    weighted mean log-partition logsumexp(logits) (what z_loss pulls towards 0).
-    A strategy of another objective gets whichever of the two its metrics allow.
-    Values are NaN when the metrics are missing or no position had a target.
-    """
-    first = rows[0][1] if rows else {}
-    nan = float("nan")
-    if objective == "softmax" or (objective != "bce" and "top1" in first):
-        ws = sum(m.get("weight_sum", 0.0) for _, m in rows)
-        if "top1" not in first or ws <= 0:
-            return {"top1": nan, "mean_lse": nan}
-        out = {"top1": sum(m["top1"] for _, m in rows) / ws}
-        if "mean_lse" in first:    # a sampled loss has no log-partition: its top1 is among the sampled set
-            out["mean_lse"] = sum(m["mean_lse"] * m["weight_sum"] for _, m in rows) / ws
-        return out
-    if objective == "bce" or "tp" in first:
-        if "tp" not in first:
-            return {"precision": nan, "recall": nan}
-        agg = {k: sum(m[k] for _, m in rows) for k in ("tp", "fp", "fn")}
-        prec, rec = metrics_lib.precision_recall(agg)
-        return {"precision": float(prec), "recall": float(rec)}
-    return {}
-
-
-def _fmt_loss_metrics(values: Dict[str, float]) -> str:
-    digits = {"precision": ".3f", "recall": ".3f", "top1": ".3f", "mean_lse": ".4g"}
-    return " ".join(f"{k} {v:{digits.get(k, '.4g')}}" for k, v in values.items())
-
-
 # ----------------------------------------------------------------------------- evaluation
 def _evaluate(program: Program, params, ds, name: str, **kw) -> Dict[str, Dict[str, float]]:
     """`eval.evaluate` of split ``name``: for Grain data each process holds and scores its own users;
@@ -121,91 +84,6 @@ def _evaluate(program: Program, params, ds, name: str, **kw) -> Dict[str, Dict[s
     if isinstance(ds, pipeline_lib.GrainData):
         return eval_lib.evaluate(program, params, ds.eval_split(name), **kw)
     return eval_lib.evaluate(program, params, getattr(ds, name), replicated=True, **kw)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-class Checkpoints:
-    """Orbax CheckpointManager over ``run_dir/checkpoints`` (local or gs://): the state pytree, a
-    JSON record and, for the Grain pipeline, each process's iterator state (``data``). Every process
-    writes its own shards; Orbax keeps the newest ``max_to_keep``."""
-
-    def __init__(self, directory: Path, max_to_keep: int):
-        import grain
-        import orbax.checkpoint as ocp
-        self.ocp, self.grain = ocp, grain
-        self.directory = directory
-        self.manager = ocp.CheckpointManager(
-            directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep or None, create=True),
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
-                           "data": grain.checkpoint.CheckpointHandler()})
-
-    def latest(self) -> Optional[int]:
-        return self.manager.latest_step()
-
-    def save(self, step: int, state, meta: dict, data=None):
-        """``data``: a Grain iterator (or `pipeline.frozen_state` of one) whose state is saved too."""
-        ocp = self.ocp
-        extra = {} if data is None else {"data": self.grain.checkpoint.CheckpointSave(data)}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta), **extra))
-
-    def restore(self, step: int, abstract_state, data=None):
-        """(state, meta); ``data``, a Grain iterator, is set to the saved state of this process."""
-        mismatch = self.shape_mismatch(step, abstract_state)
-        if mismatch:
-            raise ValueError(mismatch)
-        ocp = self.ocp
-        extra = {} if data is None else {"data": self.grain.checkpoint.CheckpointRestore(data)}
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore(), **extra))
-        return out["state"], out["meta"]
-
-    def meta(self, step: int) -> dict:
-        """The JSON record of checkpoint ``step`` alone (no array is read)."""
-        ocp = self.ocp
-        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
-
-    def prng_impl(self, step: int) -> str:
-        """The PRNG implementation of checkpoint ``step``'s keys: its recorded ``prng_impl``, or for a
-        checkpoint written before that was recorded, the one its ``rng`` key data's shape implies."""
-        try:
-            impl = self.meta(step).get("prng_impl")
-        except Exception:  # unreadable meta: restore reports what is wrong
-            return ""
-        if impl:
-            return str(impl)
-        try:
-            shape = tuple(getattr(self.manager.item_metadata(step)["state"]["rng"], "shape", ()))
-        except Exception:
-            return ""
-        return _KEY_DATA_IMPLS.get(shape, f"unknown (key data of shape {shape})")
-
-    def shape_mismatch(self, step: int, abstract_state) -> Optional[str]:
-        """The first array whose saved shape differs from ``abstract_state``'s, or None.
-
-        `restore` checks this first: an Orbax restore that fails on one array's shape leaves the
-        other arrays' TensorStore reads running on a closed event loop, which dumps "Event loop
-        is closed" / "Encountered error while reading array index" tracebacks later."""
-        try:
-            saved = self.manager.item_metadata(step)["state"]
-        except Exception:  # unreadable metadata: restore reports what is wrong
-            return None
-
-        def flat(tree):  # "a/b/0" -> leaf; key names only, as Orbax saves lists and namedtuples as dicts
-            leaves = jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else []
-            return {"/".join(str(next((getattr(k, a) for a in ("key", "idx", "name") if hasattr(k, a)), k))
-                             for k in path): leaf for path, leaf in leaves}
-
-        saved = flat(saved)
-        for name, want in sorted(flat(abstract_state).items(), key=lambda kv: not kv[0].startswith("params/")):
-            have = getattr(saved.get(name), "shape", None)
-            if have is not None and tuple(have) != tuple(want.shape):
-                return f"{name} has shape {tuple(have)} in the checkpoint but {tuple(want.shape)} in this run"
-        return None
-
-    def close(self):
-        self.manager.wait_until_finished()
-        self.manager.close()
 
 
 # ----------------------------------------------------------------------------- training
@@ -348,7 +226,7 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
         eta = (cfg.steps - done) / sps if sps > 0 else float("inf")
         last = rows[-1][1]
         progress.clear()
-        shown = f" | {_fmt_loss_metrics(objective_metrics)}" if objective_metrics else ""
+        shown = f" | {format_loss_metrics(objective_metrics)}" if objective_metrics else ""
         say(f"step {done}/{cfg.steps} | loss {loss:.6g}{shown} | "
             f"grad_norm {last['grad_norm']:.3g} | lr {last['learning_rate']:.3g} | {sps:.2f} steps/s | "
             f"{ips:,.0f} items/s | ETA {format_duration(eta)}")
@@ -387,7 +265,7 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
             if cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.steps:
                 res = _evaluate(program, state["params"], ds, "dev", max_users=cfg.eval_max_users)
                 progress.clear()
-                say(f"step {done} dev: " + _fmt_eval(res["model"]))
+                say(f"step {done} dev: " + format_eval(res["model"]))
                 writer.write(done, res["model"], prefix="dev")
         rows_since_log += fetch()
         log_window(end, rows_since_log)
@@ -406,16 +284,12 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
         say(f"evaluation at step {end} (top-{k} over all {vocab - 1} items, {n_dev} dev / "
             f"{n_test} test users):")
         for name in ("dev", "test"):
-            say(f"  {name:<4} SASRec     {_fmt_eval(evals[name])}")
-            say(f"  {name:<4} popularity {_fmt_eval(evals[name + '_popularity'])}")
+            say(f"  {name:<4} SASRec     {format_eval(evals[name])}")
+            say(f"  {name:<4} popularity {format_eval(evals[name + '_popularity'])}")
         if is_main:
             (run_dir / "eval_results.json").write_text(json.dumps({"step": end, **evals}, indent=2))
     say(f"run directory: {run_dir}")
     return TrainResult(run_dir, end, position, losses, evals, state, program)
-
-
-def _fmt_eval(res: Dict[str, float]) -> str:
-    return " ".join(f"{k} {v:.4f}" for k, v in res.items() if k != "users")
 
 
 def _report_config_changes(path: Path, cfg, say):

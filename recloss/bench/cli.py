@@ -250,7 +250,7 @@ def _softmax_lines(results, info) -> list:
     return lines
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recloss-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="bce",
@@ -289,18 +289,16 @@ def main(argv=None):
                              "v6e AOT compile and CPU time per step vs V, dense and blocked strategies of both "
                              "objectives (a few minutes; --quick: seconds, smaller shapes); needs matplotlib: "
                              "pip install 'recloss[plot]'")
-    args = parser.parse_args(argv)
-    if args.record is not None and not args.topology:
-        parser.error("--record DIR records the per-chip HBM rows of --topology; add --topology (e.g. v6e-8)")
-    if args.plot:
-        return _plot(parser, args)
+    return parser
 
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    objective = OBJECTIVES[args.objective]
+
+def _strategies(parser, args, objective) -> tuple:
+    """(strategy names, explicit?): --strategies checked against --objective (an unknown name fails
+    with suggestions), or the objective's defaults."""
+    import recloss
+
     explicit = args.strategies is not None
     strategies = [s for s in args.strategies.split(",") if s] if explicit else list(objective.cpu_strategies)
-    import recloss
     for s in strategies:
         if s == OPTAX:
             continue
@@ -313,62 +311,95 @@ def main(argv=None):
             mine = recloss.available_strategies(objective.name)
             parser.error(f"strategy {s!r} computes the {st.objective!r} objective, not --objective "
                          f"{objective.name}; its strategies: {', '.join(mine)}")
+    return strategies, explicit
+
+
+def _cpu_shape(parser, args) -> dict:
     shape = dict(QUICK_SHAPE if args.quick else DEFAULT_SHAPE)
     for k in shape:
         if getattr(args, k) is not None:
             if getattr(args, k) <= 0:
                 parser.error(f"--{k} must be a positive int, got {getattr(args, k)}")
             shape[k] = getattr(args, k)
+    return shape
 
-    if args.topology:
-        from recloss.bench import topology
-        if not explicit:
-            registered = recloss.available_strategies()
-            strategies = [s for s in objective.topology_strategies if s in registered or is_peer(s)]
-        elif OPTAX in strategies:
-            parser.error("--strategies optax is a CPU timing baseline; --topology compiles registered "
-                         f"strategies only ({', '.join(recloss.available_strategies())})")
-        strategies, notes = expand_peers(strategies, None, peers.KNOWN)
-        if objective.name == "softmax" and "cutce_pallas" not in recloss.available_strategies():
-            notes.append("cutce_pallas is not registered in this recloss (recloss.available_strategies()): "
-                         "no row")
-        shapes = _topology_shapes(parser, args.shapes, topology)
-        if args.record is not None:
-            from recloss.bench import figures
-            try:
-                record_path = figures.check_record_dir(args.record)   # before minutes of compiles
-            except figures.RecordError as err:
-                parser.error(str(err))
-        rows, counts = [], [0, 0]
-        for i, shape in enumerate(shapes):
-            _log(f"[bench] {args.topology}: compiling shape {i + 1}/{len(shapes)} {tuple(shape)} ...")
-            t0 = time.perf_counter()
-            shape_rows = topology.topology_rows(args.topology, strategies, [shape])
-            rows += shape_rows
-            _log(f"[bench]   done in {time.perf_counter() - t0:.0f}s")
-            if args.record is not None:     # shape by shape: an interrupted recording keeps what it compiled
-                _, replaced, added = figures.record(shape_rows, objective.name, record_path.parent)
-                counts = [counts[0] + added, counts[1] + replaced]
-        print(format_topology(args.topology, rows, objective.name, notes))
-        payload = dict(topology=args.topology, objective=objective.name, rows=rows, notes=notes)
-        if any(is_peer(s) for s in strategies):
-            payload["tokamax_version"] = peers.version()
-        if args.record is not None:
-            _log(f"[bench] recorded {len(rows)} rows in {record_path} ({counts[0]} new, {counts[1]} replaced)")
-    else:
-        strategies, notes = expand_peers(strategies, shape["labels"])
-        for note in notes:
-            _log(f"[bench] {note}")
+
+def _topology_payload(parser, args, objective, strategies, explicit) -> dict:
+    """Compiles the rows for --topology shape by shape (recording them with --record), prints the
+    table and returns the JSON payload."""
+    import recloss
+    from recloss.bench import topology
+
+    if not explicit:
+        registered = recloss.available_strategies()
+        strategies = [s for s in objective.topology_strategies if s in registered or is_peer(s)]
+    elif OPTAX in strategies:
+        parser.error("--strategies optax is a CPU timing baseline; --topology compiles registered "
+                     f"strategies only ({', '.join(recloss.available_strategies())})")
+    strategies, notes = expand_peers(strategies, None, peers.KNOWN)
+    if objective.name == "softmax" and "cutce_pallas" not in recloss.available_strategies():
+        notes.append("cutce_pallas is not registered in this recloss (recloss.available_strategies()): "
+                     "no row")
+    shapes = _topology_shapes(parser, args.shapes, topology)
+    if args.record is not None:
+        from recloss.bench import figures
+        try:
+            record_path = figures.check_record_dir(args.record)   # before minutes of compiles
+        except figures.RecordError as err:
+            parser.error(str(err))
+    rows, counts = [], [0, 0]
+    for i, shape in enumerate(shapes):
+        _log(f"[bench] {args.topology}: compiling shape {i + 1}/{len(shapes)} {tuple(shape)} ...")
         t0 = time.perf_counter()
-        results, info = run_cpu(shape, strategies, args.repeats, args.block_v, objective=objective.name,
-                                precision=args.precision)
-        print(format_cpu(results, info, notes))
-        extra = f", tokamax {info['tokamax_version']}" if info.get("tokamax_version") else ""
-        print(f"\n(total {time.perf_counter() - t0:.0f}s on {info['cpu_count']} CPU cores, "
-              f"jax {info['jax_version']}{extra})")
-        payload = dict(info=info, rows=results)
-        if notes:
-            payload["notes"] = notes
+        shape_rows = topology.topology_rows(args.topology, strategies, [shape])
+        rows += shape_rows
+        _log(f"[bench]   done in {time.perf_counter() - t0:.0f}s")
+        if args.record is not None:     # shape by shape: an interrupted recording keeps what it compiled
+            _, replaced, added = figures.record(shape_rows, objective.name, record_path.parent)
+            counts = [counts[0] + added, counts[1] + replaced]
+    print(format_topology(args.topology, rows, objective.name, notes))
+    payload = dict(topology=args.topology, objective=objective.name, rows=rows, notes=notes)
+    if any(is_peer(s) for s in strategies):
+        payload["tokamax_version"] = peers.version()
+    if args.record is not None:
+        _log(f"[bench] recorded {len(rows)} rows in {record_path} ({counts[0]} new, {counts[1]} replaced)")
+    return payload
+
+
+def _cpu_payload(args, objective, strategies, shape) -> dict:
+    """Times the rows on this machine, prints the table and returns the JSON payload."""
+    strategies, notes = expand_peers(strategies, shape["labels"])
+    for note in notes:
+        _log(f"[bench] {note}")
+    t0 = time.perf_counter()
+    results, info = run_cpu(shape, strategies, args.repeats, args.block_v, objective=objective.name,
+                            precision=args.precision)
+    print(format_cpu(results, info, notes))
+    extra = f", tokamax {info['tokamax_version']}" if info.get("tokamax_version") else ""
+    print(f"\n(total {time.perf_counter() - t0:.0f}s on {info['cpu_count']} CPU cores, "
+          f"jax {info['jax_version']}{extra})")
+    payload = dict(info=info, rows=results)
+    if notes:
+        payload["notes"] = notes
+    return payload
+
+
+def main(argv=None):
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.record is not None and not args.topology:
+        parser.error("--record DIR records the per-chip HBM rows of --topology; add --topology (e.g. v6e-8)")
+    if args.plot:
+        return _plot(parser, args)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    objective = OBJECTIVES[args.objective]
+    strategies, explicit = _strategies(parser, args, objective)
+    shape = _cpu_shape(parser, args)
+    if args.topology:
+        payload = _topology_payload(parser, args, objective, strategies, explicit)
+    else:
+        payload = _cpu_payload(args, objective, strategies, shape)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=2)

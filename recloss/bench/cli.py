@@ -55,34 +55,76 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
 
     ``precision``: jax.default_matmul_precision for every row and the ceiling (None: JAX's default).
     ``labels``: keep only the rows of these labels (e.g. {'cutbce (fused)'}; None: all).
+    Returns (one result dict per row, info: the matmul ceiling, devices and versions).
     """
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     import recloss
 
     obj = OBJECTIVES[objective]
+    hidden, tables, targets, mat = _cpu_inputs(shape, seed)
+    precise = (lambda: jax.default_matmul_precision(precision)) if precision else contextlib.nullcontext
+    with precise():
+        matmul = jax.jit(lambda x, y: x @ y).lower(mat, mat).compile()
+    rows = [r for r in rows_for(obj, strategies) if labels is None or r.label in labels]
+    _compile_rows(rows, hidden, tables, targets, block_v, precise, shape)
+    mm_times = _time_interleaved(rows, hidden, tables, matmul, mat, repeats, seed)
+    matmul_rate = 2 * 2048 ** 3 / float(np.median(mm_times))
+    results = _cpu_results(rows, shape, obj, matmul_rate)
+    v = shape["vocab"]
+    info = dict(matmul_gflops_per_s=matmul_rate / 1e9, matmul_shape="2048x2048x2048 f32",
+                devices=str(jax.devices()[0].device_kind), cpu_count=os.cpu_count(),
+                jax_version=jax.__version__, recloss_version=recloss.__version__)
+    if objective != "bce":
+        info.update(objective=objective, dense=obj.dense, precision=precision or "default")
+    if any(r.peer for r in rows):
+        info["tokamax_version"] = peers.version()
+    if any(r.strategy == f"{TOKAMAX}:chunked_xla" for r in rows) and v % peers.CHUNKED_V_BLOCK:
+        info["chunked_xla_padding"] = _chunked_padding(hidden, tables["VD"], targets)
+    return results, info
+
+
+def _cpu_inputs(shape: dict, seed: int):
+    """(hidden [B, N, D], {'VD': table [V, D]}, targets [B, N, L], a 2048² matrix for the ceiling)."""
+    import jax.numpy as jnp
+    import numpy as np
+
     b, n, v, d, l = (shape[k] for k in ("batch", "seq", "vocab", "dim", "labels"))
     rng = np.random.default_rng(seed)
     hidden = jnp.asarray(rng.normal(size=(b, n, d)).astype(np.float32))
     table = jnp.asarray((rng.normal(size=(v, d)) / np.sqrt(d)).astype(np.float32))
     targets = jnp.asarray(rng.integers(0, v, size=(b, n, l)).astype(np.int32))
-    tables = {"VD": table}
     mat = jnp.asarray(rng.normal(size=(2048, 2048)).astype(np.float32))
-    precise = (lambda: jax.default_matmul_precision(precision)) if precision else contextlib.nullcontext
-    with precise():
-        matmul = jax.jit(lambda x, y: x @ y).lower(mat, mat).compile()
+    return hidden, {"VD": table}, targets, mat
 
-    rows = [r for r in rows_for(obj, strategies) if labels is None or r.label in labels]
+
+def _compile_rows(rows, hidden, tables, targets, block_v, precise, shape):
+    """Compiles each row (its table in the row's layout, laid out once outside the timed call) and
+    runs it once to warm up."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    b, n, v, d, l = (shape[k] for k in ("batch", "seq", "vocab", "dim", "labels"))
     for row in rows:
-        if row.table_layout not in tables:      # 'DV': laid out once, outside the timed call
-            tables[row.table_layout] = jnp.asarray(np.asarray(table).T.copy())
+        if row.table_layout not in tables:      # 'DV'
+            tables[row.table_layout] = jnp.asarray(np.asarray(tables["VD"]).T.copy())
         _log(f"[bench] compiling {row.label} at B={b} N={n} V={v} D={d} L={l} ...")
         with precise():
             _build(row, (hidden, tables[row.table_layout], targets), block_v)
         _log(f"[bench]   compiled in {row.compile_s:.1f}s, temp {row.temp_bytes / 2**20:.1f} MiB")
         jax.block_until_ready(row.fn(hidden, tables[row.table_layout]))          # warm-up
+
+
+def _time_interleaved(rows, hidden, tables, matmul, mat, repeats: int, seed: int) -> list:
+    """``repeats`` rounds of every row and the matmul ceiling, each round in a new (seeded) order:
+    a run right after a dense row, which frees gigabytes, is measurably slower, and a fixed order
+    would always hand that to the same row. Appends to each row's times; returns the ceiling's
+    seconds per 2048³ product, one per round."""
+    import jax
+    import numpy as np
+
     # The ceiling is a sustained rate: each round runs the product back to back
     # for about a second (a single ~0.1 s call reads high or low by chance).
     t0 = time.perf_counter()
@@ -90,6 +132,7 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
     mm_calls = max(3, int(1.0 / max(time.perf_counter() - t0, 1e-3)))
     mm_times = []
     start = time.perf_counter()
+
     def time_matmul():
         t0 = time.perf_counter()
         for _ in range(mm_calls):
@@ -107,9 +150,6 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
             row.loss = float(value)
         return run
 
-    # Each round runs the rows in a new (seeded) order: a run right after
-    # a dense row, which frees gigabytes, is measurably slower, and a fixed order
-    # would always hand that to the same row.
     items = [timer(row) for row in rows] + [time_matmul]
     order_rng = np.random.default_rng(seed)
     for rep in range(repeats):
@@ -119,7 +159,15 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
         eta = (time.perf_counter() - start) / done * (repeats - done)
         _log(f"[bench] round {done}/{repeats}  " + "  ".join(
             f"{r.short}={r.times[-1]:.2f}s" for r in rows) + f"  eta {eta:.0f}s")
-    matmul_rate = 2 * 2048 ** 3 / float(np.median(mm_times))
+    return mm_times
+
+
+def _cpu_results(rows, shape: dict, obj, matmul_rate: float) -> list:
+    """One dict per row: medians, nominal and achieved flops, the share of the ceiling, the ratios
+    to the dense baseline, the compiled temporaries and the loss."""
+    import numpy as np
+
+    b, n, v, d, l = (shape[k] for k in ("batch", "seq", "vocab", "dim", "labels"))
     bn = b * n
     base = next((r for r in rows if r.strategy == obj.dense), None)
     results = []
@@ -137,16 +185,7 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
         ))
         if row.peer:
             results[-1]["peer"] = True
-    info = dict(matmul_gflops_per_s=matmul_rate / 1e9, matmul_shape="2048x2048x2048 f32",
-                devices=str(jax.devices()[0].device_kind), cpu_count=os.cpu_count(),
-                jax_version=jax.__version__, recloss_version=recloss.__version__)
-    if objective != "bce":
-        info.update(objective=objective, dense=obj.dense, precision=precision or "default")
-    if any(r.peer for r in rows):
-        info["tokamax_version"] = peers.version()
-    if any(r.strategy == f"{TOKAMAX}:chunked_xla" for r in rows) and v % peers.CHUNKED_V_BLOCK:
-        info["chunked_xla_padding"] = _chunked_padding(hidden, table, targets)
-    return results, info
+    return results
 
 
 def _chunked_padding(hidden, table, targets) -> dict:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 from recloss.options import LossOptions
 
@@ -204,6 +204,23 @@ def _inner_rows(bn: int, sub: int) -> int:
     return best
 
 
+class _Problem(NamedTuple):
+    """What `choose` sizes blocks for: padded sizes, the VMEM estimate of a candidate tiling, and the
+    words its errors use."""
+    m: int
+    m_pad: int
+    v_local: int
+    v_pad: int
+    d: int
+    d_pad: int
+    sub: int              # row granularity of the hidden dtype
+    temps: int            # logit-shaped temporaries of the mode
+    budget: int
+    who: str              # the strategy (or kernel sweep) named in errors
+    where: str            # the budget, in words
+    estimate: Callable    # estimate(bn, bs, bv, chunks) -> VMEM bytes
+
+
 def choose(mode: tuple, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: LossOptions, *,
            bias: bool, chip: Chip, who: str = "") -> Tiling:
     """Block sizes for ``mode`` on ``chip``: a key of `MODES`, (objective, sweep mode), e.g.
@@ -222,12 +239,9 @@ def choose(mode: tuple, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Lo
     a_bytes, e_bytes = np.dtype(a_dtype).itemsize, np.dtype(e_dtype).itemsize
     sub = sublanes(a_dtype)
     d_pad = _round_up(d, LANES)
-    m_pad = _round_up(max(m, 1), sub)
-    v_pad = _round_up(v_local, LANES)
     budget = chip.budget_bytes
     where = (f"the VMEM budget of {budget / MiB:.1f} MiB per TensorCore on chip {chip.name!r} "
              f"({_BUDGET_FRACTION:.0%} of vmem_limit_bytes={chip.vmem_limit_bytes / MiB:.1f} MiB)")
-
     if opts.block_v is not None and opts.block_v % LANES:
         raise ValueError(f"LossOptions.block_v={opts.block_v} is invalid for {who}: the TPU "
                          f"(8, 128) tiling rule needs a multiple of {LANES} (it is the lane dimension "
@@ -241,42 +255,55 @@ def choose(mode: tuple, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Lo
         return vmem_estimate(mode, bn, bs, bv, d_pad, a_bytes, e_bytes, bias=bias,
                              accumulate=chunks > 1 and spec.grad)
 
-    bv = min(opts.block_v or _BV_TARGET, v_pad)
+    p = _Problem(m, _round_up(max(m, 1), sub), v_local, _round_up(v_local, LANES), d, d_pad, sub, spec.temps,
+                 budget, who, where, estimate)
     if opts.block_n is not None:
-        bn = min(opts.block_n, m_pad)
-        bs = _inner_rows(bn, sub)
-        chunks = math.ceil(m / bn) if m else 1
-        need = estimate(bn, bs, bv, chunks)
-        while need > budget and opts.block_v is None and bv > LANES:
-            bv = _halve(bv)
-            need = estimate(bn, bs, bv, chunks)
-        if need > budget:
-            raise ValueError(
-                f"LossOptions.block_n={opts.block_n}, block_v={opts.block_v} need about "
-                f"{need / MiB:.1f} MiB of VMEM for {who} (D={d}), over {where}; "
-                f"choose smaller blocks or leave them None to size them automatically")
-        return Tiling(bn, bs, bv, chunks, _cores(chip, v_local, bv), d_pad, need, chip)
+        return _explicit_rows(p, opts, chip)
+    return _automatic_rows(p, opts, chip)
 
-    bs = min(_BS_TARGET, m_pad)
-    temps = lambda bs_, bv_: spec.temps * bs_ * bv_ * 4
-    while temps(bs, bv) > budget * _TEMP_SHARE and opts.block_v is None and bv > 2 * LANES:
+
+def _explicit_rows(p: _Problem, opts: LossOptions, chip: Chip) -> Tiling:
+    """``opts.block_n`` rows per call as given (bv halved to fit unless ``opts.block_v`` is set)."""
+    bv = min(opts.block_v or _BV_TARGET, p.v_pad)
+    bn = min(opts.block_n, p.m_pad)
+    bs = _inner_rows(bn, p.sub)
+    chunks = math.ceil(p.m / bn) if p.m else 1
+    need = p.estimate(bn, bs, bv, chunks)
+    while need > p.budget and opts.block_v is None and bv > LANES:
         bv = _halve(bv)
-    while temps(bs, bv) > budget * _TEMP_SHARE and bs > 128:
-        bs = max(128, _round_up(bs // 2, sub))
-    if estimate(bs, bs, bv, 2) > budget:
+        need = p.estimate(bn, bs, bv, chunks)
+    if need > p.budget:
+        raise ValueError(
+            f"LossOptions.block_n={opts.block_n}, block_v={opts.block_v} need about "
+            f"{need / MiB:.1f} MiB of VMEM for {p.who} (D={p.d}), over {p.where}; "
+            f"choose smaller blocks or leave them None to size them automatically")
+    return Tiling(bn, bs, bv, chunks, _cores(chip, p.v_local, bv), p.d_pad, need, chip)
+
+
+def _automatic_rows(p: _Problem, opts: LossOptions, chip: Chip) -> Tiling:
+    """Sub-tiles and blocks within the temporaries' share of the budget, then all rows in one resident
+    tile when they fit (no dE accumulation in HBM), else the fewest row chunks that fit."""
+    bv = min(opts.block_v or _BV_TARGET, p.v_pad)
+    bs = min(_BS_TARGET, p.m_pad)
+    temps = lambda bs_, bv_: p.temps * bs_ * bv_ * 4
+    while temps(bs, bv) > p.budget * _TEMP_SHARE and opts.block_v is None and bv > 2 * LANES:
+        bv = _halve(bv)
+    while temps(bs, bv) > p.budget * _TEMP_SHARE and bs > 128:
+        bs = max(128, _round_up(bs // 2, p.sub))
+    est = p.estimate
+    if est(bs, bs, bv, 2) > p.budget:
         what = f"LossOptions.block_v={bv}" if opts.block_v else f"block_v={bv}"
         raise ValueError(
-            f"{who} cannot tile D={d} with {what} and {bs}-row tiles within {where}; "
-            f"the smallest such configuration needs {estimate(bs, bs, bv, 2) / MiB:.1f} MiB")
-    # All rows in one resident tile when they fit (no dE accumulation in HBM).
-    one = _round_up(m_pad, bs)
-    if estimate(one, bs, bv, 1) <= budget:
-        return Tiling(one, bs, bv, 1, _cores(chip, v_local, bv), d_pad, estimate(one, bs, bv, 1), chip)
-    per_row = (estimate(2 * bs, bs, bv, 2) - estimate(bs, bs, bv, 2)) / bs
-    max_bn = bs * max(1, int((budget - estimate(bs, bs, bv, 2)) / per_row / bs) + 1)
-    chunks = math.ceil(m_pad / max_bn)
-    bn = _round_up(math.ceil(m_pad / chunks), bs)
-    return Tiling(bn, bs, bv, chunks, _cores(chip, v_local, bv), d_pad, estimate(bn, bs, bv, chunks), chip)
+            f"{p.who} cannot tile D={p.d} with {what} and {bs}-row tiles within {p.where}; "
+            f"the smallest such configuration needs {est(bs, bs, bv, 2) / MiB:.1f} MiB")
+    one = _round_up(p.m_pad, bs)
+    if est(one, bs, bv, 1) <= p.budget:
+        return Tiling(one, bs, bv, 1, _cores(chip, p.v_local, bv), p.d_pad, est(one, bs, bv, 1), chip)
+    per_row = (est(2 * bs, bs, bv, 2) - est(bs, bs, bv, 2)) / bs
+    max_bn = bs * max(1, int((p.budget - est(bs, bs, bv, 2)) / per_row / bs) + 1)
+    chunks = math.ceil(p.m_pad / max_bn)
+    bn = _round_up(math.ceil(p.m_pad / chunks), bs)
+    return Tiling(bn, bs, bv, chunks, _cores(chip, p.v_local, bv), p.d_pad, est(bn, bs, bv, chunks), chip)
 
 
 def _halve(bv: int) -> int:

@@ -154,36 +154,14 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
 
 
 def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, say, is_main, progress_stream):
+    """The step loop: batches in, the compiled step, logging windows, checkpoints, periodic dev
+    evaluation; then the final evaluation (`_final_eval`)."""
     B = program.batch_size
     grain_it = None
     if isinstance(ds, pipeline_lib.GrainData):  # this process's rows of each global batch, from its shards
         grain_it = ds.train_iterator(B, cfg.seed, read_threads=cfg.grain_read_threads,
                                      prefetch=cfg.grain_prefetch_buffer)
-    # ---- state: resume or init
-    state, position, start = None, 0, 0
-    if ckpt is not None and ckpt.latest() is not None:
-        latest = ckpt.latest()
-        old_cfg = run_dir / "config.yml"
-        if old_cfg.exists():
-            _report_config_changes(old_cfg, cfg, say)
-        saved_impl = ckpt.prng_impl(latest)
-        if saved_impl and saved_impl != program.prng_impl:
-            raise ConfigError(
-                f"cannot resume {run_dir} from step {latest}: its checkpoint holds {saved_impl} PRNG keys, but "
-                f"this trainer draws {program.prng_impl} keys (pinned, whatever jax_default_prng_impl says); "
-                f"resuming would change the dropout and negatives streams mid-run. Use a new run_name")
-        try:
-            state, meta = ckpt.restore(latest, program.abstract_state, data=grain_it)
-        except Exception as err:  # shape/structure mismatch: a different model in this run_name
-            raise ConfigError(f"cannot resume {run_dir} from step {latest}: {err}. The checkpoint was "
-                              "written by a different model/vocabulary; use a new run_name") from err
-        if meta.get("vocab_size") != vocab or meta.get("table_rows") != program.rows:
-            raise ConfigError(f"cannot resume {run_dir}: its checkpoint has V={meta.get('vocab_size')}, "
-                              f"{meta.get('table_rows')} rows; this run has V={vocab}, {program.rows} rows")
-        position, start = int(meta["data_position"]), int(meta["step"])
-        say(f"resumed from {ckpt.directory} step {start} (data position {position})")
-    else:
-        state = program.init()
+    state, position, start = _resume_or_init(cfg, program, vocab, run_dir, ckpt, grain_it, say)
     if is_main:
         (run_dir / "config.yml").write_text(dump_config(cfg))
 
@@ -192,50 +170,7 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
 
     batches = data_lib.TrainBatches(ds.train, B, cfg.seed) if grain_it is None else None
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    losses: Dict[int, float] = {}
-    pending = []            # (step index, metrics) not yet fetched to the host
-    window = {"t": time.perf_counter(), "step": start}
-    progress = Progress(cfg.steps, start, progress_stream)
-    last_saved = ckpt.latest() if ckpt is not None else None
-
-    def fetch():
-        """Moves pending metrics to the host; raises on the first non-finite step."""
-        rows = [(s, {k: _scalar(v) for k, v in m.items()}) for s, m in pending]
-        pending.clear()
-        for s, m in rows:
-            if not m["finite"]:
-                progress.clear()
-                where = (f"the last good checkpoint is step {last_saved} in {ckpt.directory} (left intact)"
-                         if last_saved is not None else "no checkpoint was written")
-                raise NonFiniteLossError(
-                    f"non-finite loss {m['loss']} (grad norm {m['grad_norm']}) at step {s + 1}; stopping. "
-                    f"{where}. Lower learning_rate, enable grad_clip, or use dtype=float32.")
-            losses[s] = m["loss"]
-        return rows
-
-    def log_window(done: int, rows):
-        if not rows:
-            return
-        now = time.perf_counter()
-        dt = max(now - window["t"], 1e-9)
-        steps_n = done - window["step"]
-        loss = float(np.mean([m["loss"] for _, m in rows]))
-        objective_metrics = loss_metrics(program.strategy.objective, rows)
-        sps = steps_n / dt
-        ips = sum(m.get("weight_sum", 0.0) for _, m in rows) / dt
-        eta = (cfg.steps - done) / sps if sps > 0 else float("inf")
-        last = rows[-1][1]
-        progress.clear()
-        shown = f" | {format_loss_metrics(objective_metrics)}" if objective_metrics else ""
-        say(f"step {done}/{cfg.steps} | loss {loss:.6g}{shown} | "
-            f"grad_norm {last['grad_norm']:.3g} | lr {last['learning_rate']:.3g} | {sps:.2f} steps/s | "
-            f"{ips:,.0f} items/s | ETA {format_duration(eta)}")
-        writer.write(done, {"loss": loss, **objective_metrics, "grad_norm": last["grad_norm"],
-                            "learning_rate": last["learning_rate"], "steps_per_sec": sps, "items_per_sec": ips})
-        window.update(t=now, step=done)
-
-    rows_since_log = []
-    evals: Dict[str, Dict[str, float]] = {}
+    log = _StepLog(cfg, program, writer, ckpt, say, Progress(cfg.steps, start, progress_stream), start)
     try:
         for s in range(start, end):
             if grain_it is None:
@@ -246,50 +181,143 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
                          for k, v in next(grain_it).items()}
             state, metrics = compiled(state, batch)
             position += B
-            pending.append((s, metrics))
+            log.pending.append((s, metrics))
             done = s + 1
-            progress.update(done)
+            log.progress.update(done)
             is_log = done % cfg.log_period == 0 or done == end
             is_ckpt = ckpt is not None and (done % cfg.checkpoint_period == 0 or done == cfg.steps)
             if is_log or is_ckpt:
-                rows_since_log += fetch()
+                log.fetch()
             if is_log:
-                log_window(done, rows_since_log)
-                rows_since_log = []
+                log.window(done)
             if is_ckpt:
                 ckpt.save(done, state, {"step": done, "data_position": position, "vocab_size": vocab,
                                         "table_rows": program.rows, "global_batch_size": B, "loss": cfg.loss,
                                         "seed": cfg.seed, "prng_impl": program.prng_impl},
                           data=None if grain_it is None else pipeline_lib.frozen_state(grain_it))
-                last_saved = done
+                log.last_saved = done
             if cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.steps:
                 res = _evaluate(program, state["params"], ds, "dev", max_users=cfg.eval_max_users)
-                progress.clear()
+                log.progress.clear()
                 say(f"step {done} dev: " + format_eval(res["model"]))
                 writer.write(done, res["model"], prefix="dev")
-        rows_since_log += fetch()
-        log_window(end, rows_since_log)
+        log.fetch()
+        log.window(end)
     finally:
-        progress.clear()
+        log.progress.clear()
 
+    evals = {}
     if end >= cfg.steps:
-        k = cfg.eval_top_k
-        for name in ("dev", "test"):
-            res = _evaluate(program, state["params"], ds, name, popularity_counts=ds.popularity)
-            evals[name], evals[f"{name}_popularity"] = res["model"], res["popularity"]
-            writer.write(end, res["model"], prefix=name)
-            writer.write(end, res["popularity"], prefix=f"{name}_popularity")
-        n_dev, n_test = ((int(evals["dev"]["users"]), int(evals["test"]["users"])) if grain_it is not None
-                         else (ds.dev.num_users, ds.test.num_users))
-        say(f"evaluation at step {end} (top-{k} over all {vocab - 1} items, {n_dev} dev / "
-            f"{n_test} test users):")
-        for name in ("dev", "test"):
-            say(f"  {name:<4} SASRec     {format_eval(evals[name])}")
-            say(f"  {name:<4} popularity {format_eval(evals[name + '_popularity'])}")
-        if is_main:
-            (run_dir / "eval_results.json").write_text(json.dumps({"step": end, **evals}, indent=2))
+        evals = _final_eval(cfg, program, state, ds, writer, run_dir, end, vocab, say=say, is_main=is_main,
+                            grain=grain_it is not None)
     say(f"run directory: {run_dir}")
-    return TrainResult(run_dir, end, position, losses, evals, state, program)
+    return TrainResult(run_dir, end, position, log.losses, evals, state, program)
+
+
+def _resume_or_init(cfg, program, vocab, run_dir, ckpt, grain_it, say):
+    """(state, data position, first step): the run's latest checkpoint, checked against this run (its
+    PRNG implementation, shapes, vocabulary) and restored with the Grain iterator's state, or a fresh
+    init."""
+    if ckpt is None or ckpt.latest() is None:
+        return program.init(), 0, 0
+    latest = ckpt.latest()
+    old_cfg = run_dir / "config.yml"
+    if old_cfg.exists():
+        _report_config_changes(old_cfg, cfg, say)
+    saved_impl = ckpt.prng_impl(latest)
+    if saved_impl and saved_impl != program.prng_impl:
+        raise ConfigError(
+            f"cannot resume {run_dir} from step {latest}: its checkpoint holds {saved_impl} PRNG keys, but "
+            f"this trainer draws {program.prng_impl} keys (pinned, whatever jax_default_prng_impl says); "
+            f"resuming would change the dropout and negatives streams mid-run. Use a new run_name")
+    try:
+        state, meta = ckpt.restore(latest, program.abstract_state, data=grain_it)
+    except Exception as err:  # shape/structure mismatch: a different model in this run_name
+        raise ConfigError(f"cannot resume {run_dir} from step {latest}: {err}. The checkpoint was "
+                          "written by a different model/vocabulary; use a new run_name") from err
+    if meta.get("vocab_size") != vocab or meta.get("table_rows") != program.rows:
+        raise ConfigError(f"cannot resume {run_dir}: its checkpoint has V={meta.get('vocab_size')}, "
+                          f"{meta.get('table_rows')} rows; this run has V={vocab}, {program.rows} rows")
+    position, start = int(meta["data_position"]), int(meta["step"])
+    say(f"resumed from {ckpt.directory} step {start} (data position {position})")
+    return state, position, start
+
+
+class _StepLog:
+    """The steps' metrics on their way to the log: ``pending`` device metrics, fetched to the host
+    (`fetch`, which stops the run on the first non-finite step) and logged per window (`window`: the
+    loss, the objective's metrics, rates and ETA to the terminal and the metric sinks)."""
+
+    def __init__(self, cfg, program, writer, ckpt, say, progress, start: int):
+        self.cfg, self.program, self.writer, self.ckpt, self.say = cfg, program, writer, ckpt, say
+        self.progress = progress
+        self.pending = []           # (step index, metrics) not yet fetched to the host
+        self.rows = []              # fetched rows of the current window
+        self.losses: Dict[int, float] = {}
+        self.last_saved = ckpt.latest() if ckpt is not None else None
+        self._t, self._step = time.perf_counter(), start
+
+    def fetch(self):
+        """Moves pending metrics to the host; raises on the first non-finite step."""
+        rows = [(s, {k: _scalar(v) for k, v in m.items()}) for s, m in self.pending]
+        self.pending.clear()
+        for s, m in rows:
+            if not m["finite"]:
+                self.progress.clear()
+                where = (f"the last good checkpoint is step {self.last_saved} in {self.ckpt.directory} "
+                         "(left intact)" if self.last_saved is not None else "no checkpoint was written")
+                raise NonFiniteLossError(
+                    f"non-finite loss {m['loss']} (grad norm {m['grad_norm']}) at step {s + 1}; stopping. "
+                    f"{where}. Lower learning_rate, enable grad_clip, or use dtype=float32.")
+            self.losses[s] = m["loss"]
+        self.rows += rows
+
+    def window(self, done: int):
+        """Logs the window of fetched rows that ends at step ``done`` and starts the next one."""
+        rows, self.rows = self.rows, []
+        if not rows:
+            return
+        cfg = self.cfg
+        now = time.perf_counter()
+        dt = max(now - self._t, 1e-9)
+        steps_n = done - self._step
+        loss = float(np.mean([m["loss"] for _, m in rows]))
+        objective_metrics = loss_metrics(self.program.strategy.objective, rows)
+        sps = steps_n / dt
+        ips = sum(m.get("weight_sum", 0.0) for _, m in rows) / dt
+        eta = (cfg.steps - done) / sps if sps > 0 else float("inf")
+        last = rows[-1][1]
+        self.progress.clear()
+        shown = f" | {format_loss_metrics(objective_metrics)}" if objective_metrics else ""
+        self.say(f"step {done}/{cfg.steps} | loss {loss:.6g}{shown} | "
+                 f"grad_norm {last['grad_norm']:.3g} | lr {last['learning_rate']:.3g} | {sps:.2f} steps/s | "
+                 f"{ips:,.0f} items/s | ETA {format_duration(eta)}")
+        self.writer.write(done, {"loss": loss, **objective_metrics, "grad_norm": last["grad_norm"],
+                                 "learning_rate": last["learning_rate"], "steps_per_sec": sps,
+                                 "items_per_sec": ips})
+        self._t, self._step = now, done
+
+
+def _final_eval(cfg, program, state, ds, writer, run_dir, end: int, vocab: int, *, say, is_main: bool,
+                grain: bool) -> Dict[str, Dict[str, float]]:
+    """Dev and test Hit/Recall/NDCG of the model and of popularity at the last step: logged, written
+    to the metric sinks and (process 0) to run_dir/eval_results.json."""
+    evals: Dict[str, Dict[str, float]] = {}
+    for name in ("dev", "test"):
+        res = _evaluate(program, state["params"], ds, name, popularity_counts=ds.popularity)
+        evals[name], evals[f"{name}_popularity"] = res["model"], res["popularity"]
+        writer.write(end, res["model"], prefix=name)
+        writer.write(end, res["popularity"], prefix=f"{name}_popularity")
+    n_dev, n_test = ((int(evals["dev"]["users"]), int(evals["test"]["users"])) if grain
+                     else (ds.dev.num_users, ds.test.num_users))
+    say(f"evaluation at step {end} (top-{cfg.eval_top_k} over all {vocab - 1} items, {n_dev} dev / "
+        f"{n_test} test users):")
+    for name in ("dev", "test"):
+        say(f"  {name:<4} SASRec     {format_eval(evals[name])}")
+        say(f"  {name:<4} popularity {format_eval(evals[name + '_popularity'])}")
+    if is_main:
+        (run_dir / "eval_results.json").write_text(json.dumps({"step": end, **evals}, indent=2))
+    return evals
 
 
 def _report_config_changes(path: Path, cfg, say):

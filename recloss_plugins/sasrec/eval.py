@@ -7,7 +7,6 @@ the top-K ids and each user's held-out items into Hit@K, Recall@K and NDCG@K.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Dict
 
@@ -132,38 +131,40 @@ def _allgather_sum(x: np.ndarray) -> np.ndarray:
 
 def evaluate(program, params, split, *, max_users: int = 0, popularity_counts=None,
              replicated: bool = False) -> Dict[str, Dict[str, float]]:
-    """Hit/Recall/NDCG@K of the model (and of the most-popular baseline) on ``split``.
+    """Hit/Recall/NDCG@K of the model (and of the most-popular baseline) on ``split``:
+    {'model': {'hit@K', 'recall@K', 'ndcg@K', 'users'}, 'popularity': ...}.
 
-    ``split`` is this process's share of the users (the Grain pipeline), or with ``replicated`` every
-    user on every process (an in-memory dataset), of which each process then scores its contiguous
-    share of the first ``max_users``. Every process feeds its rows of each global eval batch
-    (`parallel.put_process_local`; the batch is eval_batch_size rounded up to the batch shards, its
-    process share padded with dummy users that are dropped), for as many batches as the process with
-    the most users needs. The per-user metrics are summed on each process and the sums added across
-    processes, so the result is the mean over all users of all processes: {'model': {'hit@K',
-    'recall@K', 'ndcg@K', 'users'}, 'popularity': ...}. Without ``replicated``, ``max_users`` caps
-    each process at ceil(max_users / process_count) users (0 = all)."""
+    Users are scored in global eval batches of eval_batch_size rounded up to the batch shards, padded
+    with dummy users that are dropped. ``split`` is this process's share of the users (the Grain
+    pipeline): each process feeds its rows of every batch (`parallel.put_process_local`), for as many
+    batches as the process with the most users needs, and the per-user metric sums are added across
+    processes; ``max_users`` caps each process at ceil(max_users / process_count) users (0 = all).
+    With ``replicated`` every process holds every user (an in-memory dataset): the batches are fed
+    whole (`parallel.put_global`, any mesh), every process sees every score, and ``max_users`` caps
+    the users in all."""
     from recloss_plugins.sasrec import parallel
 
     cfg, k = program.cfg, program.cfg.eval_top_k
     P_ = jax.process_count()
-    if replicated:
-        total = split.num_users if not max_users else min(max_users, split.num_users)
-        share = -(-total // P_)
-        a, z = min(jax.process_index() * share, total), min((jax.process_index() + 1) * share, total)
-        split = dataclasses.replace(split, inputs=split.inputs[a:z], lengths=split.lengths[a:z],
-                                    targets=split.targets[a:z], users=split.users[a:z])
-        max_users = 0
-    n = split.num_users if not max_users else min(-(-max_users // P_), split.num_users)
     shards = program.layout.batch_shards
     bs = -(-cfg.eval_batch_size // shards) * shards
     in_sh = jax.sharding.NamedSharding(program.mesh, program.layout.batch_spec(2))
     len_sh = jax.sharding.NamedSharding(program.mesh, program.layout.batch_spec(1))
-    lo, hi = parallel.process_rows(in_sh, bs)
+    if replicated:
+        n = split.num_users if not max_users else min(max_users, split.num_users)
+        lo, hi = 0, bs
+        feed = lambda x, sh: parallel.put_global(x, sh)            # noqa: E731
+        total = np.asarray                                          # every process already has it all
+        num_batches = -(-n // bs)
+    else:
+        n = split.num_users if not max_users else min(-(-max_users // P_), split.num_users)
+        lo, hi = parallel.process_rows(in_sh, bs)
+        feed = lambda x, sh: parallel.put_process_local(x, sh, bs)  # noqa: E731
+        total = _allgather_sum
+        counts = np.zeros(P_, np.int64)
+        counts[jax.process_index()] = n
+        num_batches = int(-(-_allgather_sum(counts).max() // (hi - lo)))
     local = hi - lo
-    counts = np.zeros(P_, np.int64)
-    counts[jax.process_index()] = n
-    num_batches = int(-(-_allgather_sum(counts).max() // local))
     tops = []
     for b in range(num_batches):
         a, z = min(b * local, n), min((b + 1) * local, n)
@@ -171,8 +172,7 @@ def evaluate(program, params, split, *, max_users: int = 0, popularity_counts=No
         lengths = np.ones(local, np.int32)
         inputs[:z - a] = split.inputs[a:z]
         lengths[:z - a] = split.lengths[a:z]
-        _, ids = program.eval_top_k(params, parallel.put_process_local(inputs, in_sh, bs),
-                                    parallel.put_process_local(lengths, len_sh, bs))
+        _, ids = program.eval_top_k(params, feed(inputs, in_sh), feed(lengths, len_sh))
         tops.append(parallel.to_host(ids)[lo:hi][:z - a])
     top = np.concatenate(tops) if tops else np.zeros((0, k), np.int32)
     targets = split.targets[:n]
@@ -182,7 +182,7 @@ def evaluate(program, params, split, *, max_users: int = 0, popularity_counts=No
         valid = np.asarray(per["valid"], bool)
         sums = np.array([valid.sum()] + [np.asarray(per[m], np.float64)[valid].sum()
                                           for m in ("hit", "recall", "ndcg")])
-        tot = _allgather_sum(sums)
+        tot = total(sums)
         users = int(round(tot[0]))
         return {"users": float(users), **{f"{m}@{k}": float(tot[i + 1] / users) if users else 0.0
                                           for i, m in enumerate(("hit", "recall", "ndcg"))}}

@@ -80,7 +80,7 @@ def _run_dir(cfg) -> Path:
 # ----------------------------------------------------------------------------- evaluation
 def _evaluate(program: Program, params, ds, name: str, **kw) -> Dict[str, Dict[str, float]]:
     """`eval.evaluate` of split ``name``: for Grain data each process holds and scores its own users;
-    an in-memory Dataset holds every user on every process, each scoring its share."""
+    an in-memory Dataset holds every user on every process (``replicated``)."""
     if isinstance(ds, pipeline_lib.GrainData):
         return eval_lib.evaluate(program, params, ds.eval_split(name), **kw)
     return eval_lib.evaluate(program, params, getattr(ds, name), replicated=True, **kw)

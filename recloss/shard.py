@@ -106,9 +106,14 @@ class VocabShard:
         sweep (`recloss.sweep.sweep_total`). Without: (value [M] f32, aux), whose VJP recomputes
         (`recloss.sweep.sweep_rows`). value and aux as `recloss.sweep.SweepOut`.
         """
+        offset, plan = self._swept(plan)
         if row_scale is not None:
-            return sweep_lib.sweep_total(hidden, self.table, self.bias, row_scale, self.offset, plan)
-        return sweep_lib.sweep_rows(hidden, self.table, self.bias, self.offset, plan)
+            return sweep_lib.sweep_total(hidden, self.table, self.bias, row_scale, offset, plan)
+        return sweep_lib.sweep_rows(hidden, self.table, self.bias, offset, plan)
+
+    def _swept(self, plan):
+        """(vocab offset, plan) as the sweep shells take them for this kind of shard."""
+        return self.offset, plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +141,8 @@ class RingShard(VocabShard):
         return _column_sum(hidden, self.table, self.bias, self.offset + self.ring.index() * self.ring.rows,
                            self.vocab_size, total=self.ring.psum)
 
-    def sweep(self, plan: sweep_lib.Plan, hidden, row_scale=None):
-        offset, plan = jnp.asarray(self.offset, jnp.int32), ring_lib.Plan(plan, self.ring)
-        if row_scale is not None:
-            return sweep_lib.sweep_total(hidden, self.table, self.bias, row_scale, offset, plan)
-        return sweep_lib.sweep_rows(hidden, self.table, self.bias, offset, plan)
+    def _swept(self, plan):
+        return jnp.asarray(self.offset, jnp.int32), ring_lib.Plan(plan, self.ring)
 
 
 def _column_sum(hidden, table, bias, vocab_offset, vocab_size, total=lambda x: x):

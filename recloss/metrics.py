@@ -21,11 +21,7 @@ def cut_metrics(counts, w, *, vocab_size: int, invalid, weight_sum, psum_batch=l
       num_targets (unweighted Σ_i |T_i|), invalid_targets, weight_sum.
     """
     w = w.astype(jnp.float32)
-    out = {
-        "num_targets": psum_batch(jnp.sum(counts["targets"])),
-        "invalid_targets": invalid,
-        "weight_sum": weight_sum,
-    }
+    out = _target_metrics(counts, invalid, weight_sum, psum_batch)
     if "predicted" in counts and counts["predicted"] is not None:
         tp = psum_batch(jnp.sum(w * counts["tp"]))
         fp = psum_batch(jnp.sum(w * (counts["predicted"] - counts["tp"])))
@@ -37,11 +33,16 @@ def cut_metrics(counts, w, *, vocab_size: int, invalid, weight_sum, psum_batch=l
 def top1_metrics(counts, w, *, invalid, weight_sum, psum_batch=lambda x: x):
     """num_targets (Σ_i |T_i|), invalid_targets, weight_sum and, when ``counts`` has 'top1' (a [M]
     0/1 row flag), top1 = Σ_i w_i·top1_i; ``psum_batch`` sums a local scalar over batch shards."""
-    out = {"num_targets": psum_batch(jnp.sum(counts["targets"])), "invalid_targets": invalid,
-           "weight_sum": weight_sum}
+    out = _target_metrics(counts, invalid, weight_sum, psum_batch)
     if "top1" in counts:
         out["top1"] = psum_batch(jnp.sum(w * counts["top1"]))
     return out
+
+
+def _target_metrics(counts, invalid, weight_sum, psum_batch):
+    """What every objective reports: num_targets (Σ_i |T_i|), invalid_targets, weight_sum."""
+    return {"num_targets": psum_batch(jnp.sum(counts["targets"])), "invalid_targets": invalid,
+            "weight_sum": weight_sum}
 
 
 def precision_recall(metrics, eps: float = 1e-12):

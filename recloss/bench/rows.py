@@ -13,6 +13,7 @@ the optax code users write for it, and which strategies recompute the logits
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from recloss.bench import peers
@@ -113,19 +114,25 @@ def _identity_parts(x, *args, grad=True):
     return (x,), (x if grad else None)
 
 
-def matmuls_only_loss(h, e, t, **block):
-    """`cutbce`'s blocked sweep with the loss math replaced by the identity: what is left is its three
-    blocked matmuls and their bookkeeping, the ceiling of the fused pass on this machine (not a loss)."""
-    import functools
-
-    import recloss
+@functools.lru_cache(maxsize=None)
+def _matmuls_only_strategy():
+    """The `cutbce` strategy class whose sweep takes `_identity_parts` (built once: its plans compare
+    equal across calls)."""
     from recloss.bce import cut
     from recloss.bce.strategies import CutBCE
 
     class MatmulsOnly(CutBCE):
         cut_sweep = staticmethod(functools.partial(cut.sweep, parts=_identity_parts))
 
-    return MatmulsOnly(recloss.LossOptions(**block))(h, e, t).loss
+    return MatmulsOnly
+
+
+def matmuls_only_loss(h, e, t, **block):
+    """`cutbce`'s blocked sweep with the loss math replaced by the identity: what is left is its three
+    blocked matmuls and their bookkeeping, the ceiling of the fused pass on this machine (not a loss)."""
+    import recloss
+
+    return _matmuls_only_strategy()(recloss.LossOptions(**block))(h, e, t).loss
 
 
 def rows_for(objective: Objective, strategies: Sequence[str]) -> List[Row]:

@@ -414,17 +414,3 @@ def sampled_oracle(hidden, table, targets, weights=None, bias=None, *, negatives
                "weight_sum": float(wsum), "top1": float((wp * hit).sum())}
     slack = float((np.abs(wp) * near).sum())
     return OracleResult(loss, ell.reshape(lead), grads, loss_abs, grad_scale, metrics, slack, x)
-
-
-# Options only some strategies take (an error elsewhere): the blocked ones' block sizes, the Pallas
-# ones' interpret mode. A case written once for every strategy of an objective passes them through this.
-_MECHANICS = ("block_v", "block_n", "interpret")
-
-
-def options_for(strategy: str, opts: Dict) -> Dict:
-    """``opts`` without the block sizes and interpret mode when ``strategy`` does not take them (the
-    dense baselines); every other option is kept, so a misdirected one is still an error."""
-    import recloss
-
-    takes = recloss.get_strategy(strategy).options_supported
-    return {k: v for k, v in opts.items() if k not in _MECHANICS or k in takes}

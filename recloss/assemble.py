@@ -1,11 +1,12 @@
 """One shard's loss and metrics, reduced to global values: the step every strategy shares.
 
-`assemble` asks the strategy which positions count (`row_weights`) and how
-each is scaled (`row_scale`, e.g. ÷ the global weight sum for 'mean'), calls
-its `local_loss` for the (batch, vocab) shard, sums the parts over batch
-shards with the shard's reductions (`recloss.shard.VocabShard`: collectives
-under shard_map, identity on one device) and has the strategy turn its
-per-row counts into `metrics`.
+`assemble` is what `recloss.Strategy.__call__` runs: directly on one device, or as the body of
+`jax.shard_map` (`recloss.sharding.mapped`) on each chip's arrays. It builds the shard (the
+`recloss.shard.VocabShard` of the arrays' table rows: collectives under shard_map, identity
+reductions on one device), asks the strategy which positions count (`row_weights`) and how each
+is scaled (`row_scale`, e.g. ÷ the global weight sum for 'mean'), calls its `local_loss` on the
+shard, sums the parts over the batch shards and has the strategy turn its per-row counts into
+`metrics`.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ class LossOutput(NamedTuple):
     metrics: Dict[str, Any]
 
 
-def assemble(strategy, hidden, targets, w, shard, *, extras=None) -> LossOutput:
+def assemble(strategy, hidden, table, targets, w, bias, extras, *, shard_of) -> LossOutput:
     """Loss and metrics of one shard, reduced to global values by the shard's reductions.
 
-    Args: ``strategy`` (a `recloss.Strategy`), hidden [M, D], targets [M, L] global ids, w [M] f32
-    weights, ``shard`` (a `recloss.shard.VocabShard`: the table rows, where they sit in the
-    vocabulary, the reductions), extras: the strategy's `prepare` arrays (passed to `local_loss`
-    only when not None).
+    Args: ``strategy`` (a `recloss.Strategy`), hidden [M, D], table [V_rows, D]: the rows this
+    device holds, targets [M, L] global ids, w [M] f32 weights, bias [V_rows] or None, extras: the
+    strategy's `prepare` arrays (passed to `local_loss` only when not None; all positional, as
+    shard_map passes them). ``shard_of(table, bias)`` builds the `recloss.shard.VocabShard` (the
+    table rows, where they sit in the vocabulary, the reductions).
     """
+    shard = shard_of(table, bias)
     opts = strategy.options
     vocab_size = shard.vocab_size
     w = strategy.row_weights(targets, w, vocab_size=vocab_size)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from recloss import targets as targets_lib
-from recloss.sweep import SweepOut
+from recloss.sweep import Sweeps, SweepOut
 
 GATHERS = ("once", "ring")
 
@@ -114,14 +114,15 @@ _MERGES = {"sum": _merge_sum, "lse": _merge_lse}
 
 
 def _ring_sweep(mode: str, a, e, b, r, vocab_offset, plan: "Plan", fwd=None) -> SweepOut:
-    """`Plan.run`: the inner plan's sweep of each slice as it passes, merged per row."""
+    """One mode of `SWEEPS`: the inner plan's sweep of each slice as it passes, merged per row."""
     ring, rows, inner = plan.ring, plan.ring.rows, plan.inner
+    run = getattr(inner.sweeps, mode)
     merge = _MERGES[inner.combine]
     grad = mode in ("fused", "grad")
     base = jnp.asarray(vocab_offset, jnp.int32)
 
     def visit(s, e_k, b_k):
-        o = inner.run(mode, a, e_k, b_k, r, base + ring.held(s) * rows, inner, fwd)
+        o = run(a, e_k, b_k, r, base + ring.held(s) * rows, inner, fwd)
         return ((o.value, o.aux), o.da), o.de, o.db
 
     def merge_all(old, new):
@@ -132,14 +133,19 @@ def _ring_sweep(mode: str, a, e, b, r, vocab_offset, plan: "Plan", fwd=None) -> 
     return SweepOut(head[0], head[1], da, de, db)
 
 
+# The ring plan's `recloss.sweep.Sweeps`: every mode walks the ring with the inner plan's sweep of it.
+SWEEPS = Sweeps(loss=functools.partial(_ring_sweep, "loss"), grad=functools.partial(_ring_sweep, "grad"),
+                fused=functools.partial(_ring_sweep, "fused"))
+
+
 class Plan(NamedTuple):
     """A `recloss.sweep.Plan` walked round the ring: ``inner`` sweeps one slice, the ring walks them,
     merging the slices' values by ``inner.combine`` ('sum' for BCE's background and counts, 'lse' for
-    the softmax log-partitions). The ``vocab_offset`` handed to ``run`` is the first global id of the
-    vocab shard (slice 0). Hashable, so a custom-VJP static argument like the plans it wraps."""
+    the softmax log-partitions). The ``vocab_offset`` its sweeps are handed is the first global id of
+    the vocab shard (slice 0). Hashable, so a custom-VJP static argument like the plans it wraps."""
     inner: object
     ring: Ring
-    run = staticmethod(_ring_sweep)
+    sweeps = SWEEPS
 
 
 def _slice_ids(ids, valid, k, rows):

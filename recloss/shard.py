@@ -1,17 +1,20 @@
 """The vocab shard a strategy computes on: its table rows, where they sit in the vocabulary, and the
 reductions that make its partial results global.
 
-One is built where the computation starts: `VocabShard.whole` on one device, `recloss.sharding.run`
-inside `jax.shard_map` (a `VocabShard` of the gathered [V/|vocab|, D] rows, or a `RingShard` of the
-chip's [V/(|vocab|·|fsdp|), D] slice when ``fsdp_gather='ring'``). A strategy only asks it:
+One is built where the computation starts, by `recloss.assemble`: `VocabShard.whole` on one device,
+`recloss.sharding`'s builder inside `jax.shard_map` (a `VocabShard` of the gathered [V/|vocab|, D]
+rows, or a `RingShard` of the chip's [V/(|vocab|·|fsdp|), D] slice when ``fsdp_gather='ring'``).
+A strategy only asks it:
 
     ids, valid = shard.local_targets(targets, pad_id)     # the targets this shard owns
     x = shard.gather_logits(hidden, ids, valid)            # their logits [M, L]
-    value, aux = shard.sweep(plan, hidden, row_scale)      # a blocked sweep of the shard's columns
     s = shard.column_sum(hidden)                           # Σ_v x_v per row [M], one [D] column sum
     shard.vocab_sum(x), shard.vocab_max(x), shard.batch_sum(x)
 
-so whether the table is whole or a travelling ring slice is decided once, here.
+and it is what the sweep shells sweep: ``recloss.sweep.sweep_total(hidden, shard, row_scale, plan)``
+with ``plan = shard.planned(...)`` (a strategy's ``plan(M, shard)``). So whether the table is whole or
+a travelling ring slice is decided once, here. Both kinds are pytrees (table, bias and offset the
+leaves), so the shells' custom VJPs take them whole.
 """
 
 from __future__ import annotations
@@ -99,21 +102,16 @@ class VocabShard:
         """Σ_v (h·e_v + b_v) over the shard's live rows, per row [M] f32: one [D] column sum, not [M, V]."""
         return _column_sum(hidden, self.table, self.bias, self.offset, self.vocab_size)
 
-    def sweep(self, plan: sweep_lib.Plan, hidden, row_scale=None):
-        """A sweep of ``plan`` over the shard's columns for rows ``hidden`` [M, D].
+    def planned(self, plan: sweep_lib.Plan):
+        """``plan`` as a sweep over this shard runs it (itself here; walked round the ring for a
+        `RingShard`). A strategy's ``plan(M, shard)`` returns it, for `recloss.sweep.sweep_total` /
+        `sweep_rows`."""
+        return plan
 
-        With ``row_scale`` [M] f32: (Σ_i row_scale_i·value_i f32 scalar, aux), whose VJP is the fused
-        sweep (`recloss.sweep.sweep_total`). Without: (value [M] f32, aux), whose VJP recomputes
-        (`recloss.sweep.sweep_rows`). value and aux as `recloss.sweep.SweepOut`.
-        """
-        offset, plan = self._swept(plan)
-        if row_scale is not None:
-            return sweep_lib.sweep_total(hidden, self.table, self.bias, row_scale, offset, plan)
-        return sweep_lib.sweep_rows(hidden, self.table, self.bias, offset, plan)
-
-    def _swept(self, plan):
-        """(vocab offset, plan) as the sweep shells take them for this kind of shard."""
-        return self.offset, plan
+    def cotangent(self, table, bias):
+        """This shard's cotangent in a custom VJP: ``table`` [V_local, D] and ``bias`` (or None) the
+        gradients, no gradient for the offset."""
+        return dataclasses.replace(self, table=table, bias=bias, offset=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +139,15 @@ class RingShard(VocabShard):
         return _column_sum(hidden, self.table, self.bias, self.offset + self.ring.index() * self.ring.rows,
                            self.vocab_size, total=self.ring.psum)
 
-    def _swept(self, plan):
-        return jnp.asarray(self.offset, jnp.int32), ring_lib.Plan(plan, self.ring)
+    def planned(self, plan):
+        return ring_lib.Plan(plan, self.ring)
+
+
+_DATA = ["table", "bias", "offset"]
+_META = ["vocab_size", "platform", "batch_axes", "vocab_axes"]
+# Pytrees, so the sweep shells' custom VJPs take a shard: its arrays are primal inputs, the rest static.
+jax.tree_util.register_dataclass(VocabShard, data_fields=_DATA, meta_fields=_META)
+jax.tree_util.register_dataclass(RingShard, data_fields=_DATA, meta_fields=_META + ["ring"])
 
 
 def _column_sum(hidden, table, bias, vocab_offset, vocab_size, total=lambda x: x):

@@ -14,7 +14,7 @@ computes that shard's loss part; partial losses, weight sums and metrics are
 psum'ed over the batch axes and the vocab axis.
 
 Gradients come from autodiff of the collectives and of shard_map itself
-(run with check_vma=False, see `run`): the cotangent of an input is psum'ed
+(run with check_vma=False, see `mapped`): the cotangent of an input is psum'ed
 over the mesh axes its spec leaves out, and the all-gather transposes to a
 reduce-scatter. So
 
@@ -30,7 +30,7 @@ only the data-axis psum of shard_map's autodiff remains.
 
 Meshes: with Explicit axes (`jax.make_mesh`'s default in current JAX) an array's sharding is
 part of its type and shard_map requires each input's to equal its in_spec; with Auto axes
-(`jax.sharding.Mesh(devices, names)`) shard_map reshards what it is given. `run` lays out every
+(`jax.sharding.Mesh(devices, names)`) shard_map reshards what it is given. `mapped` lays out every
 input by its spec first (`place_all`: `jax.sharding.reshard` on Explicit axes, a sharding
 constraint on Auto ones), so both kinds take plain arrays and arrays already placed.
 """
@@ -38,6 +38,7 @@ constraint on Auto ones), so both kinds take plain arrays and arrays already pla
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional, Tuple
 
@@ -223,48 +224,41 @@ def default_specs(layout: MeshLayout) -> Specs:
                  row_loss=P(b), loss=P(), metrics=P())
 
 
-def run(strategy, hidden, table, bias, targets, w, *, layout: MeshLayout, vocab_size: int,
-        extras=None, extra_specs=None) -> LossOutput:
-    """The loss of ``strategy`` under ``layout`` (called by `recloss.Strategy.__call__`).
+def mapped(strategy, hidden, table, targets, w, bias, extras, *, layout: MeshLayout, vocab_size: int,
+           extra_specs=None):
+    """`recloss.assemble` under shard_map for ``strategy`` on ``layout``, and its arguments laid out
+    (called by `recloss.Strategy.__call__`, which calls the one with the other).
 
     Args:
-      hidden [M, D], table [V, D], bias [V] or None, targets [M, L] global ids,
-      w [M] float32 weights; vocab_size: the real V (≤ V; rows past it inert).
-      Every array, the user's (placed or not) and those made here, is laid out by the strategy's
-      `partition_specs` (`place_all`) before shard_map, on Explicit and Auto meshes alike.
-      extras: a dict of the strategy's per-call arrays (`recloss.Strategy.prepare`), laid out by
-      ``extra_specs`` (a dict of PartitionSpecs) and handed to its `local_loss`; None = none.
+      hidden [M, D], table [V, D], targets [M, L] global ids, w [M] float32 weights, bias [V] or
+      None; vocab_size: the real V (≤ V; rows past it inert). extras: a dict of the strategy's
+      per-call arrays (`recloss.Strategy.prepare`) laid out by ``extra_specs`` (a dict of
+      PartitionSpecs), or None. Every array, the user's (placed or not) and those the library made,
+      is laid out by the strategy's `partition_specs` (`place_all`), on Explicit and Auto meshes alike.
     Returns:
-      LossOutput with global values: loss scalar (or [M] rows split over the
-      batch axes for reduction='none') and metrics scalars.
+      (fn, args): ``fn(*args)`` is the LossOutput with global values: loss scalar (or [M] rows split
+      over the batch axes for reduction='none') and metrics scalars.
     """
     if not isinstance(layout, MeshLayout):
         raise TypeError(f"layout must be a recloss.MeshLayout, got {type(layout).__name__}")
     layout.check_rows(hidden.shape[0])
     layout.check_table(table.shape[0])
     specs = strategy.partition_specs(layout)
-    shard_of = _shard_builder(strategy, layout, table.shape[0], vocab_size)
-    inputs = [("hidden", hidden, specs.hidden), ("table", table, specs.table), ("targets", targets, specs.targets),
-              ("weights", w, specs.weights), ("extras", extras, extra_specs), ("bias", bias, specs.bias)]
-    inputs = [x for x in inputs if x[1] is not None]
-    names = [n for n, _, _ in inputs]
-
-    def local(*arrays):
-        a = dict(zip(names, arrays))
-        return assemble(strategy, a["hidden"], a["targets"], a["weights"], shard_of(a["table"], a.get("bias")),
-                        extras=a.get("extras"))
-
+    body = functools.partial(assemble, strategy, shard_of=_shard_builder(strategy, layout, table.shape[0],
+                                                                         vocab_size))
+    args = (hidden, table, targets, w, bias, extras)
+    in_specs = (specs.hidden, specs.table, specs.targets, specs.weights,
+                None if bias is None else specs.bias, extra_specs)
     loss_spec = specs.row_loss if strategy.options.reduction == "none" else specs.loss
-    in_specs = tuple(spec for _, _, spec in inputs)
     # check_vma=False: strategies keep untyped scan carries (bce/cut.py's zeros
     # init) and pallas_call out_shapes, which check_vma=True rejects. Gradients
     # stay exact: shard_map divides an output's cotangent by the size of the
     # axes its spec leaves out and psums an input's cotangent over the axes
     # its spec leaves out (hidden: vocab_axis; table and bias: the data axes);
     # psum transposes to psum, all_gather to psum_scatter.
-    fn = _compat.shard_map(local, mesh=layout.mesh, in_specs=in_specs,
+    fn = _compat.shard_map(body, mesh=layout.mesh, in_specs=in_specs,
                            out_specs=LossOutput(loss_spec, specs.metrics), check_vma=False)
-    return fn(*place_all(layout, tuple(x for _, x, _ in inputs), in_specs))
+    return fn, place_all(layout, args, in_specs)
 
 
 def _shard_builder(strategy, layout: MeshLayout, rows: int, vocab_size: int):

@@ -1,14 +1,16 @@
 """The strategy protocol: what every implementation of an objective is, and how it is called.
 
 A `Strategy` validates the arrays it is called with, flattens the leading
-dims to M positions, checks its platform, and runs its `local_loss` on a
-`recloss.shard.VocabShard`: the whole table on one device (`recloss.assemble`)
-or each chip's shard under shard_map (`recloss.sharding`). Objectives subclass
+dims to M positions, checks its platform, and runs `recloss.assemble` (which runs its
+`local_loss` on a `recloss.shard.VocabShard`): on one device with the whole table, or as the
+body of shard_map with each chip's shard (`recloss.sharding.mapped`). Objectives subclass
 it (`recloss.bce.strategies`); `recloss.api` names them. `BlockedStrategy` is
 what the blocked ones add: the plan of their vocabulary sweep.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +117,10 @@ class Strategy:
         raise NotImplementedError(f"strategy {self.name!r} prepares extras but declares no extra_specs")
 
     def __call__(self, hidden, table, targets, weights=None, bias=None, *, layout=None, **inputs) -> LossOutput:
+        """The loss of hidden [..., D] against table [V, D] for targets [..., L] (weights [...],
+        bias [V] optional), as the objective's entry point documents it; ``layout`` (a
+        `recloss.MeshLayout`) runs it under shard_map. The path from here is docs/design.md's
+        "The call path, and the shard": `recloss.assemble.assemble`, then `local_loss`."""
         hidden, table, targets, weights, bias = _validate(hidden, table, targets, weights, bias)
         platform = _platform(layout)
         self.check_platform(platform)
@@ -125,14 +131,15 @@ class Strategy:
              else weights.reshape(-1).astype(jnp.float32))
         vocab_size = _vocab_size(self.options, table.shape[0])
         extras = self.prepare(t2, rows=table.shape[0], vocab_size=vocab_size, **inputs)
-        more = {} if extras is None else {"extras": extras}
-        if layout is not None:
-            if extras is not None:
-                more["extra_specs"] = self.extra_specs(layout, extras)
-            out = sharding.run(self, h2, table, bias, t2, w, layout=layout, vocab_size=vocab_size, **more)
-        else:
-            shard = VocabShard.whole(table, bias, vocab_size=vocab_size, platform=platform)
-            out = assemble(self, h2, t2, w, shard, **more)
+        args = (h2, table, t2, w, bias, extras)
+        if layout is None:
+            out = assemble(self, *args, shard_of=functools.partial(VocabShard.whole, vocab_size=vocab_size,
+                                                                   platform=platform))
+        else:   # the same assemble, as the body of shard_map, on the inputs laid out by their specs
+            specs = None if extras is None else self.extra_specs(layout, extras)
+            mapped, placed = sharding.mapped(self, *args, layout=layout, vocab_size=vocab_size,
+                                             extra_specs=specs)
+            out = mapped(*placed)
         if self.options.reduction == "none":
             out = LossOutput(out.loss.reshape(lead), out.metrics)
         return out
@@ -141,22 +148,22 @@ class Strategy:
 class BlockedStrategy(Strategy):
     """A strategy whose dense part is one blocked sweep of the vocabulary (`recloss.sweep`).
 
-    ``cut_sweep`` (a staticmethod) is its objective's pure-JAX sweep (a `recloss.sweep.Plan.run`),
-    ``combine`` how two column sets' values merge ('sum' or 'lse'). Runs under either
-    `MeshLayout.fsdp_gather`."""
+    ``cut_sweeps`` is its objective's pure-JAX `recloss.sweep.Sweeps`, ``combine`` how two column
+    sets' values merge ('sum' or 'lse'). Runs under either `MeshLayout.fsdp_gather`."""
 
-    cut_sweep = None
+    cut_sweeps = None
     combine: str = "sum"
     fsdp_gathers = ("once", "ring")
 
     def plan(self, m: int, shard: VocabShard) -> sweep.Plan:
-        """The static plan of the sweep for M rows on ``shard``: block sizes from `recloss.sweep.blocks`
+        """The static plan of the sweep for M rows on ``shard``, as the shard runs it
+        (`recloss.shard.VocabShard.planned`): block sizes from `recloss.sweep.blocks`
         (``block_v``/``block_n`` win when set) for the table the chip holds."""
         opts = self.options
         blocks = sweep.blocks(m, shard.table.shape[0], block_v=opts.block_v, block_n=opts.block_n,
                               vocab_size=shard.vocab_size, static_offset=shard.static_offset)
-        return sweep.Plan(self.cut_sweep, self.combine, opts, shard.vocab_size, shard.static_offset,
-                          blocks=blocks)
+        return shard.planned(sweep.Plan(self.cut_sweeps, self.combine, opts, shard.vocab_size,
+                                        shard.static_offset, blocks=blocks))
 
 
 # ------------------------------------------------------------------------- validation

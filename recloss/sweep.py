@@ -18,8 +18,8 @@ softmax's value the log-partition lse_i and its aux (row max, argmax id). Modes:
     'grad'   the gradients scaled by r only (recompute)       6·M·V·D (logits again, dA, dE)
 
 A `Plan` is the static (hashable) description of one sweep: the objective's
-sweep function on its backend (pure JAX on `blocked`, or a Pallas kernel on
-`recloss.pallas.grid`) and what it needs. On top of any plan:
+sweep functions on its backend (`Sweeps`, one per mode: pure JAX on `blocked`, or a Pallas kernel
+on `recloss.pallas.grid`) and what they need. On top of any plan, for a `recloss.shard.VocabShard`:
 
 * `sweep_total` (scalar loss Σ_i r_i·value_i): without a gradient it is the
   loss-only sweep; the VJP's forward is the fused sweep, whose gradients are
@@ -63,18 +63,28 @@ class SweepOut(NamedTuple):
     db: Any = None
 
 
+class Sweeps(NamedTuple):
+    """An objective's sweep on one backend, one function per mode, each
+    ``fn(a, e, b, r, vocab_offset, plan, fwd) -> SweepOut`` (`Plan.sweep` gives the arguments); a
+    mode the objective has no use for is None (softmax has no 'fused': its gradient needs the global
+    log-partition). Hashable: a module's constant (`recloss.bce.cut.SWEEPS`, `recloss.bce.kernel.SWEEPS`,
+    `recloss.softmax.cut.SWEEPS`, `recloss.softmax.kernel.SWEEPS`, the ring's `recloss.ring.SWEEPS`)."""
+    loss: Callable
+    grad: Callable
+    fused: Optional[Callable] = None
+
+
 class Plan(NamedTuple):
     """Static configuration of one sweep (hashable: a custom-VJP static argument).
 
-    run: the objective's sweep on its backend, ``run(mode, a, e, b, r, vocab_offset, plan, fwd)
-      -> SweepOut`` (`recloss.bce.cut.sweep`, `recloss.bce.kernel.sweep`, `recloss.softmax.cut.sweep`,
-      `recloss.softmax.kernel.sweep`). combine: how two column sets' values merge, 'sum' (BCE) or
-      'lse' (softmax), for a sweep split round a ring (`recloss.ring.Plan`).
+    sweeps: the objective's `Sweeps` on its backend (pure JAX on `blocked`, or a Pallas kernel on
+      `recloss.pallas.grid`). combine: how two column sets' values merge, 'sum' (BCE) or 'lse'
+      (softmax), for a sweep split round a ring (`recloss.ring.Plan`).
     vocab_size: the real V (global); static_offset: the shard's first global id when known at
       trace time, else None. blocks: the pure-JAX block sizes; chip, interpret: a kernel's.
     owner: the strategy's name, for error messages.
     """
-    run: Callable
+    sweeps: Sweeps
     combine: str
     opts: LossOptions
     vocab_size: int
@@ -87,8 +97,12 @@ class Plan(NamedTuple):
     def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None) -> SweepOut:
         """One sweep in ``mode`` of rows a [M, D] against e [V_local, D] (b [V_local] or None) whose
         row 0 has global id ``vocab_offset``; r [M] f32 scales the gradient rows (grad modes), ``fwd``
-        is the forward's value [M] for a recompute. (The shells call ``plan.run`` directly.)"""
-        return self.run(mode, a, e, b, r, vocab_offset, self, fwd)
+        is the forward's value [M] for a recompute. (The shells call ``plan.sweeps.<mode>`` directly.)"""
+        fn = getattr(self.sweeps, mode, None) if mode in Sweeps._fields else None
+        if fn is None:
+            have = [m for m in Sweeps._fields if getattr(self.sweeps, m) is not None]
+            raise ValueError(f"this sweep has modes {have}, got {mode!r}")
+        return fn(a, e, b, r, vocab_offset, self, fwd)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -216,50 +230,56 @@ def cast_grads(a, e, b, da, de, db, scale):
 
 
 # ----------------------------------------------------------------- scalar loss, fused
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def sweep_total(a, e, b, r, vocab_offset, plan):
-    """(Σ_i r_i·value_i f32 scalar, aux) of one sweep (`SweepOut`), with the fused VJP.
-
-    a [M, D], e [V_local, D], b [V_local] or None, r [M] f32 row scales,
-    vocab_offset: global id of e's row 0 (int or int32 scalar).
-    """
-    out = plan.run("loss", a, e, b, None, vocab_offset, plan, None)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def sweep_total(a, shard, r, plan):
+    """(Σ_i r_i·value_i f32 scalar, aux) of one sweep of rows ``a`` [M, D] over ``shard``'s columns
+    (a `recloss.shard.VocabShard`; ``plan`` from the strategy's ``plan(M, shard)``), with the fused
+    VJP: the forward is the 'fused' sweep, whose gradients (scaled by r [M] f32) are the residuals,
+    and the backward only scales them by the cotangent. value, aux as `SweepOut`."""
+    out = plan.sweeps.loss(a, shard.table, shard.bias, None, shard.offset, plan, None)
     return jnp.sum(r * out.value), out.aux
 
 
-def _total_fwd(a, e, b, r, vocab_offset, plan):
-    bg, cnt, da, de, db = plan.run("fused", a, e, b, r, vocab_offset, plan, None)
-    return (jnp.sum(r * bg), cnt), (bg, da, de, db, a, e, b)
+def _total_fwd(a, shard, r, plan):
+    """`sweep_total`'s VJP forward: the 'fused' sweep; its gradients are the residuals."""
+    bg, cnt, da, de, db = plan.sweeps.fused(a, shard.table, shard.bias, r, shard.offset, plan, None)
+    return (jnp.sum(r * bg), cnt), (bg, da, de, db, a, shard)
 
 
 def _total_bwd(plan, res, cts):
-    bg, da, de, db, a, e, b = res
+    """`sweep_total`'s VJP backward: the residual gradients scaled by the scalar cotangent."""
+    bg, da, de, db, a, shard = res
     g = cts[0]
-    ga, ge, gb = cast_grads(a, e, b, da, de, db, g)
-    return ga, ge, gb, (g * bg).astype(jnp.float32), None
+    ga, ge, gb = cast_grads(a, shard.table, shard.bias, da, de, db, g)
+    return ga, shard.cotangent(ge, gb), (g * bg).astype(jnp.float32)
 
 
 sweep_total.defvjp(_total_fwd, _total_bwd)
 
 
 # ----------------------------------------------------------------- per-row values, recompute
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def sweep_rows(a, e, b, vocab_offset, plan):
-    """(value [M] f32, aux) of one sweep (`SweepOut`), differentiable in value by recomputation."""
-    out = plan.run("loss", a, e, b, None, vocab_offset, plan, None)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def sweep_rows(a, shard, plan):
+    """(value [M] f32, aux) of one sweep of rows ``a`` [M, D] over ``shard``'s columns, differentiable
+    in value by recomputation: the forward is the 'loss' sweep, the backward the 'grad' sweep with
+    r = the cotangent row and the forward's values. value, aux as `SweepOut`."""
+    out = plan.sweeps.loss(a, shard.table, shard.bias, None, shard.offset, plan, None)
     return out.value, out.aux
 
 
-def _rows_fwd(a, e, b, vocab_offset, plan):
-    bg, cnt = sweep_rows(a, e, b, vocab_offset, plan)
-    return (bg, cnt), (a, e, b, vocab_offset, bg)
+def _rows_fwd(a, shard, plan):
+    """`sweep_rows`' VJP forward: the 'loss' sweep; the residuals are its inputs and values."""
+    out = plan.sweeps.loss(a, shard.table, shard.bias, None, shard.offset, plan, None)
+    return (out.value, out.aux), (a, shard, out.value)
 
 
 def _rows_bwd(plan, res, cts):
-    a, e, b, vocab_offset, bg = res
-    _, _, da, de, db = plan.run("grad", a, e, b, cts[0].astype(jnp.float32), vocab_offset, plan, bg)
-    ga, ge, gb = cast_grads(a, e, b, da, de, db, 1.0)
-    return ga, ge, gb, None
+    """`sweep_rows`' VJP backward: the 'grad' sweep with r = the cotangent row."""
+    a, shard, bg = res
+    _, _, da, de, db = plan.sweeps.grad(a, shard.table, shard.bias, cts[0].astype(jnp.float32),
+                                        shard.offset, plan, bg)
+    ga, ge, gb = cast_grads(a, shard.table, shard.bias, da, de, db, 1.0)
+    return ga, shard.cotangent(ge, gb)
 
 
 sweep_rows.defvjp(_rows_fwd, _rows_bwd)

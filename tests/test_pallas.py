@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import recloss
+from recloss import sweep
 from helpers import pallas_calls
 from recloss.pallas import strategy as pallas_strategy
 from recloss.bce.strategies import CutBCEPallas
@@ -140,7 +141,7 @@ def test_traced_vocab_offset_under_jit(rng):
 
     def total(strategy, h, e, bb, rr, offset):
         shard = VocabShard(e, bb, offset, vocab_size, "cpu")
-        return shard.sweep(strategy.plan(h.shape[0], shard), h, rr)
+        return sweep.sweep_total(h, shard, rr, strategy.plan(h.shape[0], shard))
 
     for offset in (0, 300):   # shard fully inside, and straddling vocab_size (rows ≥ 150 inert)
         fn = lambda s: jax.jit(jax.value_and_grad(lambda *a: total(s, *a), argnums=(0, 1, 2, 3),

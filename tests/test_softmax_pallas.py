@@ -36,8 +36,8 @@ def _arrays(rng, m, v, d, dtype=jnp.float32, bias=True):
 
 def _plans(m, v, opts, *, vocab_size, offset, chip=None):
     static = offset if isinstance(offset, int) else None
-    k = sweep.Plan(kernel.sweep, "lse", opts, vocab_size, static, chip=tiling.get_chip(chip), interpret=True)
-    c = sweep.Plan(cut.sweep, "lse", opts, vocab_size, static,
+    k = sweep.Plan(kernel.SWEEPS, "lse", opts, vocab_size, static, chip=tiling.get_chip(chip), interpret=True)
+    c = sweep.Plan(cut.SWEEPS, "lse", opts, vocab_size, static,
                    blocks=sweep.blocks(m, v, block_v=opts.block_v, block_n=opts.block_n, vocab_size=vocab_size,
                                        static_offset=static))
     return k, c
@@ -222,8 +222,10 @@ def test_empty_rows_fall_back_to_cutce():
     h, e = jnp.zeros((0, 8), jnp.float32), jnp.ones((50, 8), jnp.float32)
     out = s(h, e, jnp.zeros((0, 2), jnp.int32))
     assert float(out.loss) == 0.0
-    p = s.log_partition(h, VocabShard.whole(e, None, vocab_size=50, platform="cpu"))
-    assert p[0].shape == (0,)
+    shard = VocabShard.whole(e, None, vocab_size=50, platform="cpu")
+    plan = s.plan(0, shard)
+    assert plan.sweeps is cut.SWEEPS     # no rows: the pure-JAX sweep, which gives the empty sums
+    assert sweep.sweep_rows(h, shard, plan)[0].shape == (0,)
 
 
 # ----------------------------------------------------------------------------- structure

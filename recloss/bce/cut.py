@@ -39,7 +39,7 @@ def _fence(e_j):
 def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *,
           parts=bernoulli_parts) -> sweep_lib.SweepOut:
     """One blocked pass over vocab blocks for rows a [M, D] in ``mode`` ('loss', 'fused', 'grad'):
-    the `recloss.sweep.Plan.run` of the `cutbce` plan, on `recloss.sweep.blocked`.
+    the `cutbce` plan's sweeps (`SWEEPS`), on `recloss.sweep.blocked`.
 
     r [M] scales each row's gradient (unused, and may be None, in 'loss' mode); ``fwd`` is unused
     (BCE's gradient needs no forward value). ``parts``: the per-logit math (`bernoulli_parts`'s
@@ -96,3 +96,8 @@ def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *,
     carry, outs = sweep_lib.blocked(a, e, b, rows, vocab_offset, p.blocks, tile=tile, init=init, emit=emit)
     return sweep_lib.SweepOut(carry.get("bg"), carry.get("pred"), carry.get("da"), outs.get("de"),
                               outs.get("db"))
+
+
+# The `cutbce` plan's `recloss.sweep.Sweeps`: one function per mode.
+SWEEPS = sweep_lib.Sweeps(loss=functools.partial(sweep, "loss"), grad=functools.partial(sweep, "grad"),
+                          fused=functools.partial(sweep, "fused"))

@@ -31,6 +31,8 @@ supplies the per-tile math.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from recloss import sweep as sweep_lib
@@ -77,7 +79,7 @@ def _spec(mode: str, opts: LossOptions) -> grid.Spec:
 
 def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
     """The background of rows ``a`` [M, D] against ``e`` [V_local, D] in one kernel sweep: the
-    `recloss.sweep.Plan.run` of the `cutbce_pallas` plan (``fwd`` is unused).
+    mode of the `cutbce_pallas` plan's sweeps (`SWEEPS`; ``fwd`` is unused).
 
     ``r`` [M] f32 scales each row's gradient (grad modes only). Returns
     SweepOut(bg [M] f32, predicted counts [M] f32, dA [M, D] f32, dE [V_local, D],
@@ -100,3 +102,8 @@ def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -
     da = res.summed("da", d) if grad else None
     de, db = res.table_grads()
     return sweep_lib.SweepOut(bg, cnt, da, de, db)
+
+
+# The `cutbce_pallas` plan's `recloss.sweep.Sweeps`: one function per mode.
+SWEEPS = sweep_lib.Sweeps(loss=functools.partial(sweep, "loss"), grad=functools.partial(sweep, "grad"),
+                          fused=functools.partial(sweep, "fused"))

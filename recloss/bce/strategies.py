@@ -2,8 +2,8 @@
 
 The blocked strategies share the sparse target correction and the metrics;
 they differ only in the plan their dense background is swept with
-(`recloss.bce.cut.sweep` or `recloss.bce.kernel.sweep`), both run through the
-custom-VJP shells of `recloss.sweep` by the shard (`recloss.shard.VocabShard.sweep`).
+(`recloss.bce.cut.SWEEPS` or `recloss.bce.kernel.SWEEPS`), both run over the shard
+(`recloss.shard.VocabShard`) by the custom-VJP shells of `recloss.sweep`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from recloss import metrics as metrics_lib
+from recloss import metrics as metrics_lib, sweep
 from recloss.bce import bernoulli, cut, dense, kernel
 from recloss.pallas.strategy import PallasStrategy
 from recloss.strategy import BLOCK_OPTIONS, COMMON_OPTIONS, BlockedStrategy, Strategy
@@ -63,17 +63,22 @@ class CutBCE(BlockedStrategy, BCEStrategy):
 
     name = "cutbce"
     options_supported = BCEStrategy.options_supported + BLOCK_OPTIONS
-    cut_sweep = staticmethod(cut.sweep)
+    cut_sweeps = cut.SWEEPS
     combine = "sum"
 
     def local_loss(self, hidden, targets, row_scale, shard):
+        """The sparse correction of the shard's own targets (`recloss.bce.bernoulli.correction`) plus
+        the dense background as one sweep over the shard (`recloss.sweep.sweep_total`: fused VJP, or
+        `sweep_rows` for reduction='none'), and the per-row counts; summed over the vocab shards."""
         opts = self.options
         scalar = opts.reduction != "none"
         ids, valid = shard.local_targets(targets, opts.pad_id)
         x = shard.gather_logits(hidden, ids, valid)
         corr = bernoulli.correction(x, valid, opts)
         target_logits = jax.lax.stop_gradient(x)
-        bg, predicted = shard.sweep(self.plan(hidden.shape[0], shard), hidden, row_scale if scalar else None)
+        plan = self.plan(hidden.shape[0], shard)
+        bg, predicted = (sweep.sweep_total(hidden, shard, row_scale, plan) if scalar
+                         else sweep.sweep_rows(hidden, shard, plan))
         loss = bg + jnp.sum(row_scale * corr) if scalar else row_scale * (bg + corr)
         tp, n = bernoulli.target_counts(target_logits, valid, opts.threshold)
         counts = {"targets": n}
@@ -98,4 +103,4 @@ class CutBCEPallas(PallasStrategy, CutBCE):
     options_supported = CutBCE.options_supported + ("interpret",)
     fallback = "cutbce"
     fallback_note = "blocked pure JAX, same math and fused gradient"
-    kernel_sweep = staticmethod(kernel.sweep)
+    kernel_sweeps = kernel.SWEEPS

@@ -118,11 +118,13 @@ def _identity_parts(x, *args, grad=True):
 def _matmuls_only_strategy():
     """The `cutbce` strategy class whose sweep takes `_identity_parts` (built once: its plans compare
     equal across calls)."""
+    from recloss import sweep
     from recloss.bce import cut
     from recloss.bce.strategies import CutBCE
 
     class MatmulsOnly(CutBCE):
-        cut_sweep = staticmethod(functools.partial(cut.sweep, parts=_identity_parts))
+        cut_sweeps = sweep.Sweeps(*(functools.partial(cut.sweep, mode, parts=_identity_parts)
+                                    for mode in sweep.Sweeps._fields))
 
     return MatmulsOnly
 

@@ -6,9 +6,9 @@ one-time warning when a kernel runs in interpret mode.
 
     class CutCEPallas(PallasStrategy, CutCE):
         name, fallback = "cutce_pallas", "cutce"
-        kernel_sweep = staticmethod(kernel.sweep)
+        kernel_sweeps = kernel.SWEEPS
 
-Its `plan` runs ``kernel_sweep`` (the objective's kernel, a `recloss.sweep.Plan.run`) instead of the
+Its `plan` runs ``kernel_sweeps`` (the objective's kernel, a `recloss.sweep.Sweeps`) instead of the
 blocked strategy's pure-JAX sweep, except with no rows, where a kernel grid has nothing to walk.
 """
 
@@ -55,7 +55,7 @@ class PallasStrategy:
     platforms = ("cpu", "tpu")
     fallback: str = ""           # the pure-JAX strategy of the same math
     fallback_note: str = "blocked pure JAX, same math"
-    kernel_sweep = None          # staticmethod: the objective's kernel sweep
+    kernel_sweeps = None         # the objective's kernel `recloss.sweep.Sweeps`
 
     def __init__(self, options: LossOptions, *, chip: Optional[str] = None, interpret_params: Any = None):
         super().__init__(options)
@@ -92,5 +92,6 @@ class PallasStrategy:
         if m == 0:
             return super().plan(m, shard)
         chip, mode = self.kernel_config(shard.platform)
-        return sweep.Plan(self.kernel_sweep, self.combine, self.options, int(shard.vocab_size),
-                          shard.static_offset, chip=chip, interpret=mode, owner=self.name)
+        return shard.planned(sweep.Plan(self.kernel_sweeps, self.combine, self.options,
+                                        int(shard.vocab_size), shard.static_offset, chip=chip,
+                                        interpret=mode, owner=self.name))

@@ -16,16 +16,6 @@ from recloss import sweep as sweep_lib
 from recloss.softmax import partition
 
 
-def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
-    """The `recloss.sweep.Plan.run` of the `cutce` plan: 'loss' → SweepOut(lse [M], (row max [M],
-    argmax id [M]) or None); 'grad' (``fwd`` = lse [M], r = cotangent [M]) → SweepOut(da=, de=, db=)."""
-    if mode == "loss":
-        return _lse_sweep(a, e, b, vocab_offset, plan)
-    if mode == "grad":
-        return _grad_sweep(a, e, b, r, fwd, vocab_offset, plan)
-    raise ValueError(f"softmax sweeps have modes 'loss' and 'grad', got {mode!r}")
-
-
 def _logits(a_s, e_j, b_j, inv_t):
     x = jnp.dot(a_s, e_j.T, preferred_element_type=jnp.float32)
     if b_j is not None:
@@ -33,7 +23,9 @@ def _logits(a_s, e_j, b_j, inv_t):
     return x if inv_t == 1.0 else x * inv_t
 
 
-def _lse_sweep(a, e, b, vocab_offset, p: sweep_lib.Plan):
+def lse_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+    """'loss' mode of the `cutce` plan: SweepOut(lse [M], (row max [M], argmax id [M]) or None)
+    of rows ``a`` [M, D] against ``e`` [V_local, D] (``r``, ``fwd`` unused)."""
     inv_t = 1.0 / p.opts.temperature
     argmax = p.opts.compute_metrics
 
@@ -64,7 +56,10 @@ def _lse_sweep(a, e, b, vocab_offset, p: sweep_lib.Plan):
     return sweep_lib.SweepOut(lse, aux)
 
 
-def _grad_sweep(a, e, b, r, lse, vocab_offset, p: sweep_lib.Plan):
+def grad_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+    """'grad' mode of the `cutce` plan (the recompute): with ``fwd`` = the forward's lse [M] and
+    r [M] the cotangent, SweepOut(da=dA [M, D] f32, de=dE [V_local, D] f32, db=db [V_local] or None)."""
+    lse = fwd
     inv_t = 1.0 / p.opts.temperature
     d = a.shape[1]
     cdt = jnp.promote_types(a.dtype, e.dtype)
@@ -88,3 +83,7 @@ def _grad_sweep(a, e, b, r, lse, vocab_offset, p: sweep_lib.Plan):
     carry, outs = sweep_lib.blocked(a, e, b, {"r": r, "lse": lse}, vocab_offset, p.blocks, tile=tile,
                                     init={"da": ((d,), jnp.float32, 0.0)}, emit=emit)
     return sweep_lib.SweepOut(da=carry["da"], de=outs["de"], db=outs.get("db"))
+
+
+# The `cutce` plan's `recloss.sweep.Sweeps` (no 'fused' mode: the gradient needs the global lse).
+SWEEPS = sweep_lib.Sweeps(loss=lse_sweep, grad=grad_sweep)

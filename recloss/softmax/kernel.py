@@ -1,7 +1,7 @@
 """Mosaic-TPU Pallas kernels for the softmax log-partition (the `cutce_pallas` plan).
 
 For rows a_i [M, D] against a table shard E [V_local, D] with logits
-x_iv = (a_i·e_v + b_v)/τ, the plan honours `recloss.softmax.cut.sweep`:
+x_iv = (a_i·e_v + b_v)/τ, the plan honours `recloss.softmax.cut.SWEEPS`:
 
 'loss' (2·M·V·D flops): lse_i = log Σ_{live v} exp(x_iv) (−inf for a row with
 no live column) and, with compute_metrics, the row max and its global id
@@ -41,15 +41,6 @@ from recloss import sweep as sweep_lib
 from recloss.options import LossOptions
 from recloss.pallas import grid, tiling
 from recloss.softmax import partition
-
-def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
-    """The `recloss.sweep.Plan.run` of the `cutce_pallas` plan: 'loss' → SweepOut(lse [M], (row max
-    [M], argmax id [M]) or None); 'grad' (``fwd`` = lse [M], r = cotangent [M]) → SweepOut(da=, de=, db=)."""
-    if mode == "loss":
-        return _lse_sweep(a, e, b, vocab_offset, plan)
-    if mode == "grad":
-        return _grad_sweep(a, e, b, r, fwd, vocab_offset, plan)
-    raise ValueError(f"softmax sweeps have modes 'loss' and 'grad', got {mode!r}")
 
 
 def _tiling(kind: str, a, e, b, p: sweep_lib.Plan) -> tiling.Tiling:
@@ -101,7 +92,9 @@ def _loss_spec(opts: LossOptions, bv: int) -> grid.Spec:
     return grid.Spec("cutce_loss", False, tuple(row_out), tile, flops=2, transcendentals=1)
 
 
-def _lse_sweep(a, e, b, vocab_offset, p: sweep_lib.Plan):
+def lse_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+    """'loss' mode of the `cutce_pallas` plan: SweepOut(lse [M], (row max [M], argmax id [M]) or
+    None) of rows ``a`` [M, D] against ``e`` [V_local, D] (``r``, ``fwd`` unused)."""
     t = _tiling("loss", a, e, b, p)
     res = grid.sweep(_loss_spec(p.opts, t.bv), t, a, e, b, vocab_offset, vocab_size=p.vocab_size,
                      static_offset=p.static_offset, interpret=p.interpret)
@@ -127,7 +120,10 @@ def _grad_spec(opts: LossOptions) -> grid.Spec:
     return grid.Spec("cutce_grad", True, (), tile, flops=6, transcendentals=1)
 
 
-def _grad_sweep(a, e, b, r, lse, vocab_offset, p: sweep_lib.Plan):
+def grad_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+    """'grad' mode of the `cutce_pallas` plan (the recompute): with ``fwd`` = the forward's lse
+    [M] and r [M] the cotangent, SweepOut(da=, de=, db=) as `recloss.softmax.cut.grad_sweep`."""
+    lse = fwd
     t = _tiling("grad", a, e, b, p)
     inv_t = 1.0 / p.opts.temperature
     # No live column (lse = −inf) and padded rows: a stand-in far above any logit, so exp() is 0.
@@ -139,3 +135,7 @@ def _grad_sweep(a, e, b, r, lse, vocab_offset, p: sweep_lib.Plan):
     da = res.summed("da", a.shape[1])
     de, db = res.table_grads()
     return sweep_lib.SweepOut(da=da, de=de, db=db)
+
+
+# The `cutce_pallas` plan's `recloss.sweep.Sweeps`.
+SWEEPS = sweep_lib.Sweeps(loss=lse_sweep, grad=grad_sweep)

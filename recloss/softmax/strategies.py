@@ -1,22 +1,33 @@
 """The softmax strategies: `dense_ce` (baseline), `cutce` (blocked pure JAX), `cutce_pallas` (Mosaic TPU).
 
-All three share the loss assembly (`SoftmaxStrategy.local_loss`): the global
+All three share the loss assembly (`SoftmaxStrategy.target_terms`, `cross_entropy`): the global
 log-partition Z from the shards' log-partitions, the O(L·D) target term, the
 ε/V column sum, z-loss and the metrics. They differ only in how one shard's
-log-partition and its gradient are computed (`log_partition`).
+log-partition and its gradient are computed (their `local_loss`).
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from recloss import metrics as metrics_lib, targets as targets_lib
+from recloss import metrics as metrics_lib, sweep, targets as targets_lib
 from recloss.pallas.strategy import PallasStrategy
 from recloss.softmax import cut, dense, kernel, partition
 from recloss.strategy import BLOCK_OPTIONS, COMMON_OPTIONS, BlockedStrategy, Strategy
 
 SOFTMAX_OPTIONS = ("label_smoothing", "z_loss", "temperature")
+
+
+class TargetTerms(NamedTuple):
+    """`SoftmaxStrategy.target_terms`: gids, gvalid [M, L] (the valid global targets), k [M] f32
+    (|T| per row), target_sum [M] f32 (Σ_{t ∈ T} x_t/τ, summed over the vocab shards)."""
+    gids: Any
+    gvalid: Any
+    k: Any
+    target_sum: Any
 
 
 class SoftmaxStrategy(Strategy):
@@ -29,27 +40,33 @@ class SoftmaxStrategy(Strategy):
     entry_point = "recloss.softmax_loss"
     options_supported = COMMON_OPTIONS + SOFTMAX_OPTIONS
 
-    def log_partition(self, hidden, shard):
-        """The shard's (lse [M] f32, differentiable; (row max [M], argmax id [M]) or None)."""
-        raise NotImplementedError
-
     def row_weights(self, targets, w, *, vocab_size):
         return targets_lib.rows_with_targets(targets, w, self.options.pad_id, vocab_size)
 
-    def local_loss(self, hidden, targets, row_scale, shard):
+    def target_terms(self, hidden, targets, shard) -> "TargetTerms":
+        """What the loss takes of the targets ([M, L] global ids): which are valid, how many per row,
+        and the sum of their logits x_t/τ over the vocab shards (an O(L·D) gather, never [M, V])."""
+        opts = self.options
+        gids, gvalid = targets_lib.valid_targets(targets, opts.pad_id, shard.vocab_size)
+        k = jnp.sum(gvalid, axis=-1, dtype=jnp.float32)            # |T| per row, over the whole vocab
+        ids, valid = shard.local_targets(targets, opts.pad_id)
+        xt = shard.gather_logits(hidden, ids, valid)
+        if opts.temperature != 1.0:
+            xt = xt * (1.0 / opts.temperature)
+        target_sum = shard.vocab_sum(jnp.sum(jnp.where(valid, xt, 0.0), axis=-1))
+        return TargetTerms(gids, gvalid, k, target_sum)
+
+    def cross_entropy(self, hidden, row_scale, shard, terms: "TargetTerms", log_partition):
+        """`local_loss` from the `target_terms` and the shard's ``log_partition`` = (lse [M] f32,
+        differentiable; (row max [M], argmax id [M]) or None): Z = the vocab shards' lse combined,
+        ℓ = Z − (1−ε)·mean target logit (+ z_loss·Z², − ε/V·Σ_v x_v), 0 for rows without targets;
+        and the per-row counts."""
         opts = self.options
         inv_t = 1.0 / opts.temperature
         f32 = jnp.float32
         vocab_size = shard.vocab_size
-        gids, gvalid = targets_lib.valid_targets(targets, opts.pad_id, vocab_size)
-        k = jnp.sum(gvalid, axis=-1, dtype=f32)                     # |T| per row, over the whole vocab
-        ids, valid = shard.local_targets(targets, opts.pad_id)
-        xt = shard.gather_logits(hidden, ids, valid)
-        if inv_t != 1.0:
-            xt = xt * inv_t
-        target_sum = shard.vocab_sum(jnp.sum(jnp.where(valid, xt, 0.0), axis=-1))
-
-        lse_local, aux = self.log_partition(hidden, shard)
+        gids, gvalid, k, target_sum = terms
+        lse_local, aux = log_partition
         z = partition.global_lse(lse_local, shard)
         ell = z - (1.0 - opts.label_smoothing) * target_sum / jnp.maximum(k, 1.0)
         if opts.z_loss:
@@ -82,10 +99,14 @@ class DenseCE(SoftmaxStrategy):
 
     name = "dense_ce"
 
-    def log_partition(self, hidden, shard):
-        return dense.dense_lse(hidden, shard.table, shard.bias, temperature=self.options.temperature,
-                               vocab_offset=shard.offset, vocab_size=shard.vocab_size,
-                               argmax=self.options.compute_metrics)
+    def local_loss(self, hidden, targets, row_scale, shard):
+        """The `target_terms`, the shard's log-partition from its dense logits [M, V_local]
+        (autodiff), then `cross_entropy`."""
+        terms = self.target_terms(hidden, targets, shard)
+        lse = dense.dense_lse(hidden, shard.table, shard.bias, temperature=self.options.temperature,
+                              vocab_offset=shard.offset, vocab_size=shard.vocab_size,
+                              argmax=self.options.compute_metrics)
+        return self.cross_entropy(hidden, row_scale, shard, terms, lse)
 
 
 class CutCE(BlockedStrategy, SoftmaxStrategy):
@@ -95,11 +116,15 @@ class CutCE(BlockedStrategy, SoftmaxStrategy):
 
     name = "cutce"
     options_supported = SoftmaxStrategy.options_supported + BLOCK_OPTIONS
-    cut_sweep = staticmethod(cut.sweep)
+    cut_sweeps = cut.SWEEPS
     combine = "lse"
 
-    def log_partition(self, hidden, shard):
-        return shard.sweep(self.plan(hidden.shape[0], shard), hidden)
+    def local_loss(self, hidden, targets, row_scale, shard):
+        """The `target_terms`, the shard's log-partition as one sweep over it
+        (`recloss.sweep.sweep_rows`: loss-only forward, recomputing backward), then `cross_entropy`."""
+        terms = self.target_terms(hidden, targets, shard)
+        lse = sweep.sweep_rows(hidden, shard, self.plan(hidden.shape[0], shard))
+        return self.cross_entropy(hidden, row_scale, shard, terms, lse)
 
 
 class CutCEPallas(PallasStrategy, CutCE):
@@ -116,4 +141,4 @@ class CutCEPallas(PallasStrategy, CutCE):
     name = "cutce_pallas"
     options_supported = CutCE.options_supported + ("interpret",)
     fallback = "cutce"
-    kernel_sweep = staticmethod(kernel.sweep)
+    kernel_sweeps = kernel.SWEEPS

@@ -112,7 +112,7 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 # ``dE_background + dE_correction`` into the scatters applied to the background's dE
 # buffer in place: no second table-sized buffer (a lax.scan over the chunks would carry
 # one more [V_local, D]). The figures behind both: docs/design.md "Measured choices".
-SCATTER_ROWS = 1024
+SCATTER_ROWS = 2048
 SCATTER_ONE_ROWS = 4096
 
 

@@ -226,6 +226,12 @@ def test_compile_topology_runs_without_libtpu_noise():
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr
     assert "per-chip HBM" in run.stdout
+    # The five largest buffers, each with its size and kind (recloss.bench.buffers).
+    lines = run.stdout.splitlines()
+    at = next(i for i, l in enumerate(lines) if l.startswith("largest buffers at the memory peak ("))
+    assert all(l.split()[1] in ("B", "KiB", "MiB", "GiB") and l.split()[2] in ("argument", "output", "temporary")
+               for l in lines[at + 1:at + 6]), lines[at:at + 6]
+    assert "argument state['params']" in run.stdout or "argument state['opt_state']" in run.stdout
     assert "unexpected worker hostname" not in run.stderr and "could not determine" not in run.stderr, run.stderr
 
 

@@ -1,0 +1,184 @@
+"""Where the per-chip memory of a compiled program goes: the buffers live at its peak, largest first,
+each with the HLO op that owns it.
+
+XLA writes its buffer analysis when it dumps a module (``xla_dump_to``, passed here as a compile
+option, so no environment flag and no restart). ``<module>...-live-range.txt`` ends with the values
+live at the program's memory peak ("Live ranges at S (peak):", their sizes summing to the peak); the
+optimized HLO (``<module>...after_optimizations.txt``) says what each value's instruction is and
+which JAX operation made it (``metadata={op_name=...}``; for an argument, its path in the arguments,
+e.g. ``state['params']['item_emb']['embedding']``). `read` joins the two:
+
+    compiled = lowered.compile(compiler_options=buffers.dump_options(folder))
+    print(buffers.report(buffers.read(folder), top=5))
+
+    python -m recloss.bench.buffers DUMP_FOLDER [--top 10]      # a folder XLA dumped into
+
+The peak is XLA's own count for the default memory space (HBM on TPU); it is close to, not equal to,
+`compiled.memory_analysis()`'s arguments + outputs + temporaries − aliased, which also counts the
+temporaries of the other memory spaces (TPU VMEM, SMEM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+from typing import Dict, List, NamedTuple, Tuple
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+) = (.+?) ([a-z][\w-]*)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_PEAK = re.compile(r"^\s*Live ranges at (\d+) \(peak\):")
+_LIVE = re.compile(r"^\s+([^\s{]+)(\{[^}]*\})?: (\d+) bytes")
+_STEPS = re.compile(r"HloLiveRange \(max (\d+)\)")
+_LIVE_RANGE = "after_optimizations-live-range.txt"
+
+
+def dump_options(folder: str) -> Dict[str, str]:
+    """Compile options (``lowered.compile(compiler_options=...)``) that make XLA dump the compiled
+    module and its buffer analysis into ``folder``."""
+    return {"xla_dump_to": str(folder)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One value live at the peak: ``kind`` 'argument' or 'temporary', its bytes, the instruction
+    (name, opcode, shape without layout) and ``op_name``: the JAX operation that made it, or for an
+    argument its path in the arguments."""
+    kind: str
+    size: int
+    name: str
+    opcode: str
+    shape: str
+    op_name: str
+
+    def describe(self, width: int = 110) -> str:
+        """One line: size, kind, the argument's path or the instruction's shape and opcode, and the
+        JAX op that made a temporary (trimmed from the left to ``width``)."""
+        if self.kind == "argument":
+            return f"{_human(self.size):>10}  argument {(self.op_name or self.name).replace(chr(92) + chr(39), chr(39))}: {self.shape}"
+        line = f"{_human(self.size):>10}  temporary {self.shape} {self.opcode or self.name}"
+        if self.op_name:
+            line += f"  <- {_trim(self.op_name, max(20, width - len(line) - 4))}"
+        return line
+
+
+class Peak(NamedTuple):
+    """`read`'s result: the values live at the peak, largest first; the peak's bytes; the step of
+    the schedule it falls on and the schedule's length; ``temp_allocation``: the bytes XLA reserves
+    for the temporaries (default memory space; from the buffer assignment, -1 if absent), which is
+    what must fit beside the arguments: more than the temporaries live at the peak when their
+    packing leaves holes."""
+    buffers: List[Buffer]
+    total: int
+    step: int
+    steps: int
+    temp_allocation: int = -1
+
+    def bytes_of(self, kind: str) -> int:
+        return sum(b.size for b in self.buffers if b.kind == kind)
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _trim(text: str, n: int) -> str:
+    return text if len(text) <= n else "…" + text[-(n - 1):]
+
+
+def _module_files(folder: str) -> Tuple[str, str]:
+    """(live ranges, optimized HLO) of the largest module XLA dumped into ``folder``."""
+    found = glob.glob(os.path.join(folder, "*" + _LIVE_RANGE))
+    if not found:
+        raise FileNotFoundError(f"no '*{_LIVE_RANGE}' in {folder!r}: compile with "
+                                f"compiler_options=recloss.bench.buffers.dump_options({folder!r}) first")
+    path = max(found, key=os.path.getsize)
+    return path, path[: -len("-live-range.txt")] + ".txt"
+
+
+def _instructions(hlo_path: str) -> Dict[str, Tuple[str, str, str]]:
+    """{instruction name: (opcode, shape without layout, op_name)} of an optimized HLO text file."""
+    out: Dict[str, Tuple[str, str, str]] = {}
+    if os.path.exists(hlo_path):
+        with open(hlo_path) as f:
+            for line in f:
+                m = _INSTR.match(line)
+                if m:
+                    op = _OP_NAME.search(line)
+                    out[m.group(1)] = (m.group(3), re.sub(r"\{[^}]*\}", "", m.group(2)).strip(),
+                                       op.group(1) if op else "")
+    return out
+
+
+def read(folder: str) -> Peak:
+    """The values live at the memory peak of the module XLA dumped into ``folder``, largest first."""
+    live_range, hlo = _module_files(folder)
+    instr = _instructions(hlo)
+    out: List[Buffer] = []
+    step = steps = -1
+    with open(live_range) as f:
+        lines = iter(f)
+        for line in lines:
+            m = _STEPS.search(line)
+            if m:
+                steps = int(m.group(1))
+            m = _PEAK.match(line)
+            if m:
+                step = int(m.group(1))
+                break
+        for line in lines:
+            v = _LIVE.match(line)
+            if not v:
+                break
+            opcode, shape, op_name = instr.get(v.group(1), ("", "", ""))
+            kind = "argument" if opcode == "parameter" else "temporary"
+            index = "" if v.group(2) in (None, "{}") else v.group(2)
+            out.append(Buffer(kind, int(v.group(3)), v.group(1) + index, opcode, shape, op_name))
+    if step < 0:
+        raise ValueError(f"{live_range} has no 'Live ranges at ... (peak)' section")
+    out.sort(key=lambda b: -b.size)
+    return Peak(out, sum(b.size for b in out), step, steps, _temp_allocation(live_range))
+
+
+def _temp_allocation(live_range: str) -> int:
+    """Bytes of the default memory space's preallocated temporaries in the buffer assignment beside
+    ``live_range`` (-1 if there is none)."""
+    path = live_range[: -len("-live-range.txt")] + "-buffer-assignment.txt"
+    if not os.path.exists(path):
+        return -1
+    total = 0
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"^allocation \d+: size (\d+)(.*):$", line)
+            if m and "preallocated-temp" in m.group(2) and not re.search(r"\bcolor [1-9]", m.group(2)):
+                total += int(m.group(1))
+    return total
+
+
+def report(peak: Peak, top: int = 5) -> str:
+    """The ``top`` largest buffers live at the peak, one line each, under a line of totals."""
+    head = (f"largest buffers at the memory peak ({_human(peak.total)} per chip: arguments "
+            f"{_human(peak.bytes_of('argument'))}, temporaries {_human(peak.bytes_of('temporary'))}; "
+            f"step {peak.step} of {peak.steps}")
+    if peak.temp_allocation >= 0:
+        head += f"; XLA reserves {_human(peak.temp_allocation)} for the temporaries"
+    head += "):"
+    return "\n".join([head] + ["  " + b.describe() for b in peak.buffers[:top]])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m recloss.bench.buffers", description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", help="a folder XLA dumped a compiled module into (xla_dump_to)")
+    p.add_argument("--top", type=int, default=10, help="how many buffers to list (default 10)")
+    args = p.parse_args(argv)
+    print(report(read(args.folder), args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

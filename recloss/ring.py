@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from recloss import targets as targets_lib
-from recloss.sweep import Sweeps, SweepOut
+from recloss.sweep import Sparse, Sweeps, SweepOut, add_sparse
 
 GATHERS = ("once", "ring")
 
@@ -107,14 +107,16 @@ def _merge_lse(old, new):
 
 
 def _merge_sum(old, new):
-    return _add(old[0], new[0]), _add(old[1], new[1])
+    return _add(old[0], new[0]), jax.tree_util.tree_map(jnp.add, old[1], new[1])
 
 
 _MERGES = {"sum": _merge_sum, "lse": _merge_lse}
 
 
-def _ring_sweep(mode: str, a, e, b, r, vocab_offset, plan: "Plan", fwd=None) -> SweepOut:
-    """One mode of `SWEEPS`: the inner plan's sweep of each slice as it passes, merged per row."""
+def _ring_sweep(mode: str, a, e, b, r, vocab_offset, plan: "Plan", fwd=None, sparse=None) -> SweepOut:
+    """One mode of `SWEEPS`: the inner plan's sweep of each slice as it passes, merged per row; with
+    ``sparse`` (a `recloss.sweep.Sparse`, ids local to the vocab shard) the inner plan's sparse term
+    on the targets each slice owns, at the same visit (`recloss.sweep.add_sparse`)."""
     ring, rows, inner = plan.ring, plan.ring.rows, plan.inner
     run = getattr(inner.sweeps, mode)
     merge = _MERGES[inner.combine]
@@ -123,6 +125,8 @@ def _ring_sweep(mode: str, a, e, b, r, vocab_offset, plan: "Plan", fwd=None) -> 
 
     def visit(s, e_k, b_k):
         o = run(a, e_k, b_k, r, base + ring.held(s) * rows, inner, fwd)
+        if sparse is not None:
+            o = add_sparse(mode, inner, o, a, e_k, b_k, r, Sparse(*_slice_ids(*sparse, ring.held(s), rows)))
         return ((o.value, o.aux), o.da), o.de, o.db
 
     def merge_all(old, new):
@@ -146,6 +150,7 @@ class Plan(NamedTuple):
     inner: object
     ring: Ring
     sweeps = SWEEPS
+    walks = True
 
 
 def _slice_ids(ids, valid, k, rows):

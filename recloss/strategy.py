@@ -153,6 +153,7 @@ class BlockedStrategy(Strategy):
 
     cut_sweeps = None
     combine: str = "sum"
+    sparse_term = None      # the objective's `recloss.sweep.Plan.sparse` (BCE: its correction)
     fsdp_gathers = ("once", "ring")
 
     def plan(self, m: int, shard: VocabShard) -> sweep.Plan:
@@ -163,7 +164,7 @@ class BlockedStrategy(Strategy):
         blocks = sweep.blocks(m, shard.table.shape[0], block_v=opts.block_v, block_n=opts.block_n,
                               vocab_size=shard.vocab_size, static_offset=shard.static_offset)
         return shard.planned(sweep.Plan(self.cut_sweeps, self.combine, opts, shard.vocab_size,
-                                        shard.static_offset, blocks=blocks))
+                                        shard.static_offset, blocks=blocks, sparse=self.sparse_term))
 
 
 # ------------------------------------------------------------------------- validation

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from recloss import targets as targets_lib
 from recloss.options import LossOptions
 
 # Default vocab block (a divisor of V_local within a factor 2 below it when one exists).
@@ -82,7 +83,9 @@ class Plan(NamedTuple):
       (softmax), for a sweep split round a ring (`recloss.ring.Plan`).
     vocab_size: the real V (global); static_offset: the shard's first global id when known at
       trace time, else None. blocks: the pure-JAX block sizes; chip, interpret: a kernel's.
-    owner: the strategy's name, for error messages.
+    owner: the strategy's name, for error messages. sparse: the objective's sparse term over its
+      targets' logits, ``sparse(x [M, L], valid, opts, grad) -> (value [M], ∂value/∂x [M, L] or
+      None)`` (BCE's correction), which `sweep_total` adds on each table piece it sweeps; or None.
     """
     sweeps: Sweeps
     combine: str
@@ -93,6 +96,9 @@ class Plan(NamedTuple):
     chip: Any = None
     interpret: Any = False
     owner: str = ""
+    sparse: Optional[Callable] = None
+
+    walks = False      # a plan that walks the table's pieces itself (`recloss.ring.Plan`) is True
 
     def sweep(self, mode: str, a, e, b, r, vocab_offset, fwd=None) -> SweepOut:
         """One sweep in ``mode`` of rows a [M, D] against e [V_local, D] (b [V_local] or None) whose
@@ -103,6 +109,34 @@ class Plan(NamedTuple):
             have = [m for m in Sweeps._fields if getattr(self.sweeps, m) is not None]
             raise ValueError(f"this sweep has modes {have}, got {mode!r}")
         return fn(a, e, b, r, vocab_offset, self, fwd)
+
+
+class Sparse(NamedTuple):
+    """The targets of a sparse term on a table piece: ids [M, L] int32 local to the piece (0 where
+    not valid) and valid [M, L] bool (the first occurrence of an id the piece owns)."""
+    ids: Any
+    valid: Any
+
+
+def add_sparse(mode: str, plan: Plan, out: SweepOut, a, e, b, r, sp: Sparse) -> SweepOut:
+    """``out`` (one dense sweep of the piece e [R, D], b [R] or None) with ``plan.sparse`` over the
+    targets ``sp`` on the same piece: x = a·e[ids] + b[ids] [M, L] f32 (0 where not valid); value +=
+    sparse(x); in 'fused' mode, with G = r·∂sparse/∂x, dA += G e[ids], dE[ids] += G·a, db[ids] += G
+    (`recloss.targets.scatter_rows` into out's dE). aux becomes (out.aux, x)."""
+    rows = jnp.take(e, sp.ids, axis=0)                                  # [M, L, D]
+    x = jnp.einsum("md,mld->ml", a, rows, preferred_element_type=jnp.float32)
+    if b is not None:
+        x = x + jnp.take(b, sp.ids, axis=0).astype(jnp.float32)
+    x = jnp.where(sp.valid, x, 0.0)
+    grad = mode == "fused"
+    value, dx = plan.sparse(x, sp.valid, plan.opts, grad)
+    out = out._replace(value=out.value + value, aux=(out.aux, x))
+    if not grad:
+        return out
+    g = jnp.where(sp.valid, dx * r[:, None], 0.0)
+    da = out.da + jnp.einsum("ml,mld->md", g.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
+    de, db = targets_lib.scatter_rows(a, g, sp.ids, e.shape[0], b is not None, into=(out.de, out.db))
+    return out._replace(da=da, de=de, db=db)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -231,19 +265,30 @@ def cast_grads(a, e, b, da, de, db, scale):
 
 # ----------------------------------------------------------------- scalar loss, fused
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def sweep_total(a, shard, r, plan):
+def sweep_total(a, shard, r, plan, sparse=None):
     """(Σ_i r_i·value_i f32 scalar, aux) of one sweep of rows ``a`` [M, D] over ``shard``'s columns
     (a `recloss.shard.VocabShard`; ``plan`` from the strategy's ``plan(M, shard)``), with the fused
     VJP: the forward is the 'fused' sweep, whose gradients (scaled by r [M] f32) are the residuals,
-    and the backward only scales them by the cotangent. value, aux as `SweepOut`."""
-    out = plan.sweeps.loss(a, shard.table, shard.bias, None, shard.offset, plan, None)
+    and the backward only scales them by the cotangent. value, aux as `SweepOut`.
+
+    ``sparse``: a `Sparse` of the shard's targets (ids local to the shard): ``plan.sparse`` over
+    their logits is added to value on each piece the sweep visits (`add_sparse`; a ring visits the
+    slices), so its gradient is in the same residuals; aux is then (aux, target logits [M, L])."""
+    kw = {"sparse": sparse} if sparse is not None and plan.walks else {}
+    out = plan.sweeps.loss(a, shard.table, shard.bias, None, shard.offset, plan, None, **kw)
+    if sparse is not None and not plan.walks:
+        out = add_sparse("loss", plan, out, a, shard.table, shard.bias, None, sparse)
     return jnp.sum(r * out.value), out.aux
 
 
-def _total_fwd(a, shard, r, plan):
-    """`sweep_total`'s VJP forward: the 'fused' sweep; its gradients are the residuals."""
-    bg, cnt, da, de, db = plan.sweeps.fused(a, shard.table, shard.bias, r, shard.offset, plan, None)
-    return (jnp.sum(r * bg), cnt), (bg, da, de, db, a, shard)
+def _total_fwd(a, shard, r, plan, sparse=None):
+    """`sweep_total`'s VJP forward: the 'fused' sweep (and sparse term); its gradients are the
+    residuals."""
+    kw = {"sparse": sparse} if sparse is not None and plan.walks else {}
+    out = plan.sweeps.fused(a, shard.table, shard.bias, r, shard.offset, plan, None, **kw)
+    if sparse is not None and not plan.walks:
+        out = add_sparse("fused", plan, out, a, shard.table, shard.bias, r, sparse)
+    return (jnp.sum(r * out.value), out.aux), (out.value, out.da, out.de, out.db, a, shard)
 
 
 def _total_bwd(plan, res, cts):
@@ -251,7 +296,7 @@ def _total_bwd(plan, res, cts):
     bg, da, de, db, a, shard = res
     g = cts[0]
     ga, ge, gb = cast_grads(a, shard.table, shard.bias, da, de, db, g)
-    return ga, shard.cotangent(ge, gb), (g * bg).astype(jnp.float32)
+    return ga, shard.cotangent(ge, gb), (g * bg).astype(jnp.float32), None
 
 
 sweep_total.defvjp(_total_fwd, _total_bwd)

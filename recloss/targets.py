@@ -124,8 +124,9 @@ def _row_chunks(m: int):
     return [slice(i, i + SCATTER_ROWS) for i in range(0, m, SCATTER_ROWS)]
 
 
-def scatter_rows(hidden, g, ids, rows: int, with_bias: bool, dtype=jnp.float32):
-    """(dE [rows, D] in ``dtype``, db [rows] f32 or None) with dE[v] = Σ_{ids[m,l] = v} g[m,l]·hidden[m].
+def scatter_rows(hidden, g, ids, rows: int, with_bias: bool, dtype=jnp.float32, into=None):
+    """(dE [rows, D] in ``dtype``, db [rows] f32 or None) with dE[v] = Σ_{ids[m,l] = v} g[m,l]·hidden[m],
+    added to ``into`` = (dE₀ [rows, D], db₀ [rows] or None) when given (in their dtypes), else to zeros.
 
     The transpose of `gather_logits` in its table and bias. The products are f32;
     they are added in ``dtype`` (the table's), so XLA can fold the scatters into
@@ -136,7 +137,9 @@ def scatter_rows(hidden, g, ids, rows: int, with_bias: bool, dtype=jnp.float32):
     place), so no scatter grows with M and nothing is carried through a loop.
     """
     d = hidden.shape[1]
-    de = db = None
+    de, db = (None, None) if into is None else into
+    if into is not None:
+        dtype = de.dtype
     for sl in _row_chunks(ids.shape[0]):
         h_c, g_c, ids_c = hidden[sl], g[sl], ids[sl]
         upd = (g_c[:, :, None] * h_c.astype(jnp.float32)[:, None, :]).reshape(-1, d)

@@ -397,3 +397,42 @@ def test_random_problems_match_oracle(strategy, problem):
     rng = np.random.default_rng(seed)
     case = make_case(rng, **case_kw)
     check_against_oracle(strategy, case, opts, rng)
+
+
+@pytest.mark.parametrize("name", ["cutbce", "cutbce_pallas"])
+def test_sparse_term_in_the_fused_sweep_equals_the_separate_correction(name, rng):
+    # recloss.sweep.sweep_total with the correction as its sparse term (what a ring runs at each
+    # slice's visit) against the background sweep plus the correction through targets.gather_logits,
+    # on a whole shard: value, target logits and the gradients in hidden, table, bias and r.
+    from recloss import sweep
+    from recloss.bce import bernoulli
+    from recloss.shard import VocabShard
+
+    opts = recloss.LossOptions(label_smoothing=0.1, pos_weight=2.0, vocab_size=190, block_v=128, block_n=8)
+    strategy = recloss.get_strategy(name, opts)
+    case = make_case(rng, lead=(37,), V=190, rows=200, D=24, L=5, bias=True)
+    h, e, b, t = case["hidden"], case["table"], case["bias"], case["targets"]
+    r = jnp.asarray(rng.uniform(0.0, 1.0, size=(37,)), jnp.float32)
+
+    def parts(h, e, b, r):
+        shard = VocabShard.whole(e, b, vocab_size=190, platform="cpu")
+        ids, valid = shard.local_targets(t, -1)
+        return shard, ids, valid, strategy.plan(h.shape[0], shard)
+
+    def fused(h, e, b, r):
+        shard, ids, valid, plan = parts(h, e, b, r)
+        total, (_, x) = sweep.sweep_total(h, shard, r, plan, sweep.Sparse(ids, valid))
+        return total, x
+
+    def separate(h, e, b, r):
+        shard, ids, valid, plan = parts(h, e, b, r)
+        x = shard.gather_logits(h, ids, valid)
+        bg, _ = sweep.sweep_total(h, shard, r, plan)
+        return bg + jnp.sum(r * bernoulli.correction(x, valid, opts)), jnp.where(valid, x, 0.0)
+
+    (v1, x1), g1 = jax.value_and_grad(fused, argnums=(0, 1, 2, 3), has_aux=True)(h, e, b, r)
+    (v2, x2), g2 = jax.value_and_grad(separate, argnums=(0, 1, 2, 3), has_aux=True)(h, e, b, r)
+    assert_close(v1, v2, 1e-5, "value")
+    assert_close(x1, x2, 1e-5, "target logits")
+    for what, a, c in zip(("dhidden", "dtable", "dbias", "drow_scale"), g1, g2):
+        assert_close(a, c, 1e-5, what)

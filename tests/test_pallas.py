@@ -291,3 +291,4 @@ def test_interpret_warning_once(rng, monkeypatch):
     assert recloss.get_strategy("cutbce_pallas").interpret("cpu")
     assert not recloss.get_strategy("cutbce_pallas").interpret("tpu")
     assert not recloss.get_strategy("cutbce_pallas", interpret=False).interpret("cpu")
+

@@ -19,7 +19,7 @@ from recloss.options import LossOptions
 
 def background_coefficients(opts: LossOptions):
     """(c_p, c_q) of the dense background Σ_v [c_p·P + c_q·Q]: (ε/2, 1 − ε/2) for label smoothing ε
-    (docs/design.md "The math"); the sparse correction's coefficient is 1 − ε."""
+    (docs/design.md "The BCE objective"); the sparse correction's coefficient is 1 − ε."""
     return opts.label_smoothing / 2.0, 1.0 - opts.label_smoothing / 2.0
 
 
@@ -131,6 +131,15 @@ def correction(target_logits, valid, opts: LossOptions):
     c = 1.0 - opts.label_smoothing
     value = bernoulli_value(target_logits, opts, c, -c)
     return jnp.sum(jnp.where(valid, value, 0.0), axis=-1)
+
+
+def correction_terms(target_logits, valid, opts: LossOptions, grad: bool):
+    """(`correction` [M] f32, its derivative in each target logit [M, L] f32 or None without
+    ``grad``): the sparse term as the fused sweep takes it (`recloss.sweep.Plan.sparse`)."""
+    if not grad:
+        return correction(target_logits, valid, opts), None
+    value, vjp = jax.vjp(lambda x: correction(x, valid, opts), target_logits)
+    return value, vjp(jnp.ones_like(value))[0]
 
 
 def target_counts(target_logits, valid, threshold: float):

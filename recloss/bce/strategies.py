@@ -65,22 +65,34 @@ class CutBCE(BlockedStrategy, BCEStrategy):
     options_supported = BCEStrategy.options_supported + BLOCK_OPTIONS
     cut_sweeps = cut.SWEEPS
     combine = "sum"
+    sparse_term = staticmethod(bernoulli.correction_terms)
 
     def local_loss(self, hidden, targets, row_scale, shard):
-        """The sparse correction of the shard's own targets (`recloss.bce.bernoulli.correction`) plus
-        the dense background as one sweep over the shard (`recloss.sweep.sweep_total`: fused VJP, or
-        `sweep_rows` for reduction='none'), and the per-row counts; summed over the vocab shards."""
+        """The dense background as one sweep over the shard (`recloss.sweep.sweep_total`: fused VJP,
+        or `sweep_rows` for reduction='none') plus the sparse correction of the shard's own targets
+        (`recloss.bce.bernoulli.correction`), and the per-row counts; summed over the vocab shards.
+
+        On a ring (a plan that walks the slices) the scalar loss's correction is the sweep's sparse
+        term, computed at each slice's visit: the table travels once per step, not three times (the
+        sweep, the target gather and its VJP), and no gather ring holds slices of its own. On a
+        gathered shard the correction goes through its own gather, whose scatters XLA applies to the
+        background's dE in place (docs/design.md "Measured choices")."""
         opts = self.options
         scalar = opts.reduction != "none"
         ids, valid = shard.local_targets(targets, opts.pad_id)
-        x = shard.gather_logits(hidden, ids, valid)
-        corr = bernoulli.correction(x, valid, opts)
-        target_logits = jax.lax.stop_gradient(x)
         plan = self.plan(hidden.shape[0], shard)
-        bg, predicted = (sweep.sweep_total(hidden, shard, row_scale, plan) if scalar
-                         else sweep.sweep_rows(hidden, shard, plan))
-        loss = bg + jnp.sum(row_scale * corr) if scalar else row_scale * (bg + corr)
-        tp, n = bernoulli.target_counts(target_logits, valid, opts.threshold)
+        if scalar and plan.walks:
+            loss, (predicted, x) = sweep.sweep_total(hidden, shard, row_scale, plan, sweep.Sparse(ids, valid))
+        else:
+            x = shard.gather_logits(hidden, ids, valid)
+            corr = bernoulli.correction(x, valid, opts)
+            if scalar:
+                bg, predicted = sweep.sweep_total(hidden, shard, row_scale, plan)
+                loss = bg + jnp.sum(row_scale * corr)
+            else:
+                bg, predicted = sweep.sweep_rows(hidden, shard, plan)
+                loss = row_scale * (bg + corr)
+        tp, n = bernoulli.target_counts(jax.lax.stop_gradient(x), valid, opts.threshold)
         counts = {"targets": n}
         if opts.compute_metrics:
             counts.update(predicted=predicted, tp=tp)

@@ -52,6 +52,7 @@ class Buffer:
     opcode: str
     shape: str
     op_name: str
+    also: Tuple[str, ...] = ()     # other values live at the peak in the same buffer (aliases)
 
     def describe(self, width: int = 110) -> str:
         """One line: size, kind, the argument's path or the instruction's shape and opcode, and the
@@ -59,6 +60,8 @@ class Buffer:
         if self.kind == "argument":
             return f"{_human(self.size):>10}  argument {(self.op_name or self.name).replace(chr(92) + chr(39), chr(39))}: {self.shape}"
         line = f"{_human(self.size):>10}  temporary {self.shape} {self.opcode or self.name}"
+        if self.also:
+            line += f" (+{len(self.also)} in place)"
         if self.op_name:
             line += f"  <- {_trim(self.op_name, max(20, width - len(line) - 4))}"
         return line
@@ -141,23 +144,45 @@ def read(folder: str) -> Peak:
             out.append(Buffer(kind, int(v.group(3)), v.group(1) + index, opcode, shape, op_name))
     if step < 0:
         raise ValueError(f"{live_range} has no 'Live ranges at ... (peak)' section")
+    temp_bytes, places = _assignment(live_range)
+    out = _merge_aliases(out, places)
     out.sort(key=lambda b: -b.size)
-    return Peak(out, sum(b.size for b in out), step, steps, _temp_allocation(live_range))
+    return Peak(out, sum(b.size for b in out), step, steps, temp_bytes)
 
 
-def _temp_allocation(live_range: str) -> int:
-    """Bytes of the default memory space's preallocated temporaries in the buffer assignment beside
-    ``live_range`` (-1 if there is none)."""
+def _merge_aliases(values: List[Buffer], places: Dict[str, Tuple[int, int]]) -> List[Buffer]:
+    """One `Buffer` per (allocation, offset): values XLA placed in the same buffer (an op written
+    over its operand) count once, under the one with a JAX op name."""
+    groups: Dict[object, List[Buffer]] = {}
+    for b in values:
+        groups.setdefault(places.get(b.name, b.name), []).append(b)
+    out = []
+    for group in groups.values():
+        main = next((b for b in group if b.op_name), group[0])
+        rest = tuple(b.name for b in group if b is not main)
+        out.append(dataclasses.replace(main, size=max(b.size for b in group), also=rest))
+    return out
+
+
+def _assignment(live_range: str) -> Tuple[int, Dict[str, Tuple[int, int]]]:
+    """(bytes of the default memory space's preallocated temporaries, {value: (allocation, offset)})
+    from the buffer assignment beside ``live_range`` ((-1, {}) if there is none)."""
     path = live_range[: -len("-live-range.txt")] + "-buffer-assignment.txt"
     if not os.path.exists(path):
-        return -1
-    total = 0
+        return -1, {}
+    total, places, alloc = 0, {}, -1
     with open(path) as f:
         for line in f:
-            m = re.match(r"^allocation \d+: size (\d+)(.*):$", line)
-            if m and "preallocated-temp" in m.group(2) and not re.search(r"\bcolor [1-9]", m.group(2)):
-                total += int(m.group(1))
-    return total
+            m = re.match(r"^allocation (\d+): size (\d+)(.*):$", line)
+            if m:
+                alloc = int(m.group(1))
+                if "preallocated-temp" in m.group(3) and not re.search(r"\bcolor [1-9]", m.group(3)):
+                    total += int(m.group(2))
+                continue
+            v = re.match(r"^ value: <\d+ (\S+) @\d+> \(size=\d+,offset=(\d+)\)", line)
+            if v:
+                places[v.group(1).replace("{}", "")] = (alloc, int(v.group(2)))
+    return total, places
 
 
 def report(peak: Peak, top: int = 5) -> str:

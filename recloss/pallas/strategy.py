@@ -94,4 +94,4 @@ class PallasStrategy:
         chip, mode = self.kernel_config(shard.platform)
         return shard.planned(sweep.Plan(self.kernel_sweeps, self.combine, self.options,
                                         int(shard.vocab_size), shard.static_offset, chip=chip,
-                                        interpret=mode, owner=self.name))
+                                        interpret=mode, owner=self.name, sparse=self.sparse_term))

@@ -123,10 +123,7 @@ def add_sparse(mode: str, plan: Plan, out: SweepOut, a, e, b, r, sp: Sparse) -> 
     targets ``sp`` on the same piece: x = a·e[ids] + b[ids] [M, L] f32 (0 where not valid); value +=
     sparse(x); in 'fused' mode, with G = r·∂sparse/∂x, dA += G e[ids], dE[ids] += G·a, db[ids] += G
     (`recloss.targets.scatter_rows` into out's dE). aux becomes (out.aux, x)."""
-    rows = jnp.take(e, sp.ids, axis=0)                                  # [M, L, D]
-    x = jnp.einsum("md,mld->ml", a, rows, preferred_element_type=jnp.float32)
-    if b is not None:
-        x = x + jnp.take(b, sp.ids, axis=0).astype(jnp.float32)
+    rows, x = targets_lib.take_logits(a, e, b, sp.ids)                 # rows [M, L, D]
     x = jnp.where(sp.valid, x, 0.0)
     grad = mode == "fused"
     value, dx = plan.sparse(x, sp.valid, plan.opts, grad)

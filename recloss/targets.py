@@ -74,12 +74,18 @@ def gather_logits(hidden, table, bias, ids):
     return _gather(hidden, table, bias, ids)
 
 
-def _gather_fwd_value(hidden, table, bias, ids):
-    rows = jnp.take(table, ids, axis=0)                    # [M, L, D]
+def take_logits(hidden, table, bias, ids):
+    """(rows [M, L, D] = table[ids], x [M, L] f32 = hidden·rows + bias[ids]): the gathered rows, for
+    a caller that uses them again (`recloss.sweep.add_sparse`), and their logits."""
+    rows = jnp.take(table, ids, axis=0)
     x = jnp.einsum("md,mld->ml", hidden, rows, preferred_element_type=jnp.float32)
     if bias is not None:
         x = x + jnp.take(bias, ids, axis=0).astype(jnp.float32)
-    return x
+    return rows, x
+
+
+def _gather_fwd_value(hidden, table, bias, ids):
+    return take_logits(hidden, table, bias, ids)[1]
 
 
 @jax.custom_vjp

@@ -6,8 +6,9 @@ Builds the mesh on the topology's devices (libtpu describes them; no TPU
 needed), lowers and compiles the full train step (forward, loss, backward,
 AdamW update) with the run's shardings, and prints the per-chip memory of the
 compiled program and its five largest buffers with the HLO op that owns each
-(`recloss.bench.buffers`), so an OOM says what to change. With ``compile_fit_hbm_gib`` > 0 it also finds the largest
-global batch (a multiple of the batch shards) whose step fits that budget.
+(`recloss.bench.buffers`), so an OOM says what to change. With
+``compile_fit_hbm_gib`` > 0 it also finds the largest global batch (a multiple
+of the batch shards) whose step fits that budget.
 """
 
 from __future__ import annotations
@@ -34,18 +35,13 @@ def vocab_size_for(cfg) -> int:
 
 def compile_step(cfg, devices, vocab: int, batch_size: Optional[int] = None, dump_to: Optional[str] = None):
     """(compiled train step, memory report dict, Program) on ``devices``. With ``dump_to`` (a folder)
-    XLA also writes the compiled module and its buffer assignment there (`recloss.bench.buffers`),
-    and the report gains 'buffers' (a `recloss.bench.buffers.Peak`)."""
+    XLA also writes the compiled module and its buffer analysis there (`recloss.bench.buffers.read`)."""
     mesh = parallel.build_mesh(cfg, devices, num_slices=cfg.compile_topology_num_slices)
     program = build_program(cfg, mesh, vocab, batch_size=batch_size)
     lowered = program.train_step.lower(program.abstract_state, program.abstract_batch())
-    if dump_to is None:
-        compiled = lowered.compile()
-        return compiled, memory_report(compiled), program
-    compiled = lowered.compile(compiler_options=buffers.dump_options(dump_to))
-    rep = memory_report(compiled)
-    rep["buffers"] = buffers.read(dump_to)
-    return compiled, rep, program
+    options = None if dump_to is None else buffers.dump_options(dump_to)
+    compiled = lowered.compile(compiler_options=options)
+    return compiled, memory_report(compiled), program
 
 
 def compile_oom(err: Exception) -> Optional[str]:
@@ -132,13 +128,13 @@ def compile_report(cfg, log=print) -> Dict[str, object]:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="recloss-aot-") as dump:
         compiled, rep, program = compile_step(cfg, devices, vocab, dump_to=dump)
+        top = buffers.read(dump)
     gib = rep.get("total", float("nan")) / 2**30
     log(f"compiled the train step for {cfg.compile_topology} ({len(devices)} chips, "
         f"{devices[0].device_kind}) in {time.perf_counter() - t0:.1f}s: loss={cfg.loss}, mesh "
         f"{dict(program.mesh.shape)}, V={vocab} ({program.rows} rows), D={cfg.emb_dim}, N={cfg.max_seq_len}, "
         f"global batch {program.batch_size} ({program.batch_size // program.layout.batch_shards} per batch shard)")
     log(f"per-chip HBM: {format_memory(rep)}")
-    top = rep.pop("buffers")
     log(buffers.report(top, top=5))
     out = {"total_gib": gib, "memory": rep, "global_batch_size": program.batch_size, "buffers": top}
     if cfg.compile_fit_hbm_gib > 0:

@@ -10,7 +10,7 @@ from recloss.assemble import LossOutput
 from recloss.options import LossOptions
 from recloss.sampled import log_q_from_counts
 from recloss.registry import available_strategies, get_strategy, register_strategy, unregister_strategy
-from recloss.sharding import MeshLayout, Specs, padded_vocab_size
+from recloss.sharding import MeshLayout, Specs, padded_vocab_size, psum_in_place
 from recloss.strategy import Strategy
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "get_strategy",
     "log_q_from_counts",
     "padded_vocab_size",
+    "psum_in_place",
     "register_strategy",
     "sampled_loss",
     "softmax_loss",

@@ -20,6 +20,7 @@ leaves), so the shells' custom VJPs take them whole.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Tuple
 
 import jax
@@ -36,6 +37,28 @@ def _pmax(x, axes):
     return jax.lax.pmax(x, axes) if axes else x
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _psum_own_grad(x, axes):
+    """psum(x, axes) whose gradient is each device's own: the cotangent passes back unsummed.
+
+    Under the caller's shard_map (`MeshLayout(manual=True)`) the loss L(Σ_d x_d) is differentiated
+    on each device: ∂L/∂x_d is the cotangent itself, so the gradients a device gets are its own
+    contribution and their sum over the batch axes is the gradient of the replicated parameters.
+    (psum's own transpose, a psum, would count every device's cotangent |batch| times.)"""
+    return jax.lax.psum(x, axes)
+
+
+def _psum_own_grad_fwd(x, axes):
+    return jax.lax.psum(x, axes), None
+
+
+def _psum_own_grad_bwd(axes, _, ct):
+    return (ct,)
+
+
+_psum_own_grad.defvjp(_psum_own_grad_fwd, _psum_own_grad_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class VocabShard:
     """The whole vocab shard on this chip: table [V_local, D] and bias [V_local] or None.
@@ -48,6 +71,8 @@ class VocabShard:
       platform: where the computation runs ('cpu', 'gpu', 'tpu').
       batch_axes, vocab_axes: mesh axes the rows and the vocabulary are split over (the
         reductions' psum/pmax axes; empty on one device or where an axis has size 1).
+      own_grads: the batch sums pass each device's own gradient back (`_psum_own_grad`): the
+        caller's shard_map differentiates the loss itself (`recloss.MeshLayout` ``manual``).
     """
 
     table: Any
@@ -57,11 +82,16 @@ class VocabShard:
     platform: str
     batch_axes: Tuple[str, ...] = ()
     vocab_axes: Tuple[str, ...] = ()
+    own_grads: bool = False
 
     @classmethod
-    def whole(cls, table, bias, *, vocab_size: int, platform: str) -> "VocabShard":
-        """The whole table on one device (offset 0, identity reductions)."""
-        return cls(table, bias, 0, vocab_size, platform)
+    def whole(cls, table, bias, *, vocab_size: int, platform: str, batch_axes: Tuple[str, ...] = ()
+              ) -> "VocabShard":
+        """The whole table on this device (offset 0). With ``batch_axes`` (the call is inside the
+        caller's shard_map over them) the batch sums are psums passing each device's own gradient
+        back; without, every reduction is the identity (one device)."""
+        return cls(table, bias, 0, vocab_size, platform, batch_axes=tuple(batch_axes),
+                   own_grads=bool(batch_axes))
 
     # ------------------------------------------------------------ where the shard sits
     @property
@@ -77,6 +107,8 @@ class VocabShard:
     # ------------------------------------------------------------ reductions
     def batch_sum(self, x):
         """Σ over the batch shards (positions split over the batch axes)."""
+        if self.own_grads and self.batch_axes:
+            return _psum_own_grad(x, self.batch_axes)
         return _psum(x, self.batch_axes)
 
     def vocab_sum(self, x):
@@ -144,7 +176,7 @@ class RingShard(VocabShard):
 
 
 _DATA = ["table", "bias", "offset"]
-_META = ["vocab_size", "platform", "batch_axes", "vocab_axes"]
+_META = ["vocab_size", "platform", "batch_axes", "vocab_axes", "own_grads"]
 # Pytrees, so the sweep shells' custom VJPs take a shard: its arrays are primal inputs, the rest static.
 jax.tree_util.register_dataclass(VocabShard, data_fields=_DATA, meta_fields=_META)
 jax.tree_util.register_dataclass(RingShard, data_fields=_DATA, meta_fields=_META + ["ring"])

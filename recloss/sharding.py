@@ -91,6 +91,14 @@ class MeshLayout:
         slices live. With no fsdp axis (None or size 1) 'ring' is allowed and
         changes nothing. Only the blocked strategies (cutbce, cutbce_pallas,
         cutce, cutce_pallas) take 'ring'; the dense ones need 'once'.
+      manual: the loss is called inside the caller's own ``jax.shard_map`` over
+        ``batch_axes`` (a data-parallel train step written by hand): hidden,
+        targets and weights are this device's rows, the table and bias whole
+        (the vocab and fsdp axes must be None or of size 1). The loss and
+        metrics are still global (psum over ``batch_axes``), and the gradients
+        taken inside the shard_map are each device's own contribution: sum them
+        over ``batch_axes`` (`psum_in_place` for the table: no second
+        table-sized buffer). False (default): the loss runs its own shard_map.
     A role may be None (the mesh lacks that axis) or an axis of size 1 (free).
     """
 
@@ -99,6 +107,7 @@ class MeshLayout:
     fsdp_axis: Optional[str] = "fsdp"
     vocab_axis: Optional[str] = "vocab"
     fsdp_gather: str = "once"
+    manual: bool = False
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
@@ -127,6 +136,13 @@ class MeshLayout:
         if self.vocab_axis is not None and self.vocab_axis in self.batch_axes:
             raise ValueError(f"MeshLayout.vocab_axis={self.vocab_axis!r} cannot also be a batch axis "
                              f"(batch_axes={self.batch_axes})")
+        if not isinstance(self.manual, bool):
+            raise TypeError(f"MeshLayout.manual must be True or False, got {self.manual!r}")
+        if self.manual and self.table_shards > 1:
+            raise ValueError(f"MeshLayout(manual=True) takes the whole table on each device, but the "
+                             f"table is split {self.table_shards} ways (vocab_axis {self.vocab_axis!r} × "
+                             f"fsdp_axis {self.fsdp_axis!r}); use manual=False, where the loss runs its "
+                             f"own shard_map, or a mesh whose vocab and fsdp axes have size 1")
 
     # ---------------------------------------------------------------- sizes
     def axis_size(self, axis: Optional[str]) -> int:
@@ -182,6 +198,42 @@ class MeshLayout:
                              f"shards (vocab_axis {self.vocab_axis!r} × fsdp_axis {self.fsdp_axis!r}); "
                              f"allocate recloss.padded_vocab_size({rows}, layout)="
                              f"{padded_vocab_size(rows, self)} rows and pass vocab_size={rows}")
+
+
+# Rows per chunk of `psum_in_place` are sized to about this many bytes: large enough that the
+# per-chunk collective latency is amortised, small beside any table worth reducing in place.
+PSUM_CHUNK_BYTES = 64 << 20
+
+
+def psum_in_place(x, axes, *, chunk_bytes: int = PSUM_CHUNK_BYTES):
+    """``jax.lax.psum(x, axes)`` written back over ``x`` chunk by chunk, inside shard_map.
+
+    x [R, ...]: reduced in row chunks of about ``chunk_bytes`` (a fori_loop of dynamic_slice, psum,
+    dynamic_update_slice on the loop carry), so XLA keeps one x-sized buffer and one chunk where a
+    whole-array all-reduce holds its operand and its result (two x-sized buffers: XLA's all-reduce is
+    not in place). For a replicated table's gradient in a hand-written data-parallel step
+    (`MeshLayout` ``manual``). Arrays of at most one chunk take the plain psum.
+    """
+    axes = _axes_tuple("axes", axes)
+    if not axes:
+        return x
+    if x.ndim == 0:
+        return jax.lax.psum(x, axes)
+    row_bytes = max(1, x.size // max(1, x.shape[0])) * x.dtype.itemsize
+    chunk = max(1, chunk_bytes // row_bytes)
+    n = x.shape[0]
+    if n <= chunk:
+        return jax.lax.psum(x, axes)
+    whole, rest = divmod(n, chunk)
+
+    def body(i, acc):
+        part = jax.lax.dynamic_slice_in_dim(acc, i * chunk, chunk, 0)
+        return jax.lax.dynamic_update_slice_in_dim(acc, jax.lax.psum(part, axes), i * chunk, 0)
+
+    x = jax.lax.fori_loop(0, whole, body, x)
+    if rest:
+        x = jax.lax.dynamic_update_slice_in_dim(x, jax.lax.psum(x[whole * chunk:], axes), whole * chunk, 0)
+    return x
 
 
 def padded_vocab_size(vocab_size: int, layout: Optional[MeshLayout] = None) -> int:

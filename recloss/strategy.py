@@ -112,6 +112,10 @@ class Strategy:
                             "(recloss.sampled_loss) take key and log_q")
         return None
 
+    def check_manual(self):
+        """Raises when the strategy cannot run on one device's rows inside the caller's shard_map
+        (`recloss.MeshLayout` ``manual``); every strategy can unless it overrides this."""
+
     def extra_specs(self, layout, extras) -> dict:
         """PartitionSpecs of `prepare`'s arrays under ``layout`` (a dict with the same keys)."""
         raise NotImplementedError(f"strategy {self.name!r} prepares extras but declares no extra_specs")
@@ -132,9 +136,12 @@ class Strategy:
         vocab_size = _vocab_size(self.options, table.shape[0])
         extras = self.prepare(t2, rows=table.shape[0], vocab_size=vocab_size, **inputs)
         args = (h2, table, t2, w, bias, extras)
-        if layout is None:
+        if layout is not None and layout.manual:
+            self.check_manual()
+        if layout is None or layout.manual:   # one device, or inside the caller's shard_map
+            axes = () if layout is None else tuple(a for a in layout.batch_axes if layout.axis_size(a) > 1)
             out = assemble(self, *args, shard_of=functools.partial(VocabShard.whole, vocab_size=vocab_size,
-                                                                   platform=platform))
+                                                                   platform=platform, batch_axes=axes))
         else:   # the same assemble, as the body of shard_map, on the inputs laid out by their specs
             specs = None if extras is None else self.extra_specs(layout, extras)
             mapped, placed = sharding.mapped(self, *args, layout=layout, vocab_size=vocab_size,

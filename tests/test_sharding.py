@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import recloss
-from helpers import (assert_matches, compiled_loss_grad, hlo_computations, loop_computations, make_inputs,
-                     make_layout, rel, strategies, v6e8_layout)
+from helpers import (assert_matches, compiled_loss_grad, hlo_computations, loop_computations, loss_and_grads,
+                     make_inputs, make_layout, options_for, rel, strategies, v6e8_layout)
 from recloss import sharding
 
 ALL_OPTIONS = dict(label_smoothing=0.1, pos_weight=1.7, focal_gamma=1.5, focal_alpha=0.3,
@@ -230,3 +230,97 @@ def test_tpu_v6e8_compiles_at_paper_shapes(strategy, shape):
     table_bytes = rows * D * 4 // layout.table_shards
     assert ma.argument_size_in_bytes >= table_bytes
     assert total < 32 * 2**30       # fits a v6e chip's 32 GiB HBM
+
+
+# ------------------------------------------------------------------------- manual (caller's shard_map)
+def _manual_loss_and_grads(strategy, inputs, mesh, *, chunk_bytes, **opts):
+    """The loss and its gradients from inside a hand-written data-parallel step: shard_map over
+    'data', value_and_grad per device with MeshLayout(manual=True), the table's and bias's
+    gradients summed with psum_in_place (chunks of ``chunk_bytes``)."""
+    from recloss import _compat
+    layout = recloss.MeshLayout(mesh, batch_axes=("data",), fsdp_axis=None, vocab_axis=None, manual=True)
+    entry = recloss.softmax_loss if recloss.get_strategy(strategy).objective == "softmax" else recloss.bce_loss
+
+    def step(h, e, b, t, w):
+        def f(h, e, b):
+            out = entry(h, e, t, w, b, strategy=strategy, layout=layout, **options_for(strategy, opts))
+            return out.loss, out.metrics
+        (loss, mets), (gh, ge, gb) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(h, e, b)
+        ge = recloss.psum_in_place(ge, "data", chunk_bytes=chunk_bytes)
+        gb = recloss.psum_in_place(gb, "data", chunk_bytes=chunk_bytes)
+        return loss, mets, (gh, ge, gb)
+
+    rows = P("data")
+    specs = (rows, P(), P(), rows, rows)
+    fn = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P(), P(), (rows, P(), P())),
+                                   check_vma=False))
+    args = [jax.device_put(inputs[k], NamedSharding(mesh, s))   # Explicit axes: typed as the specs say
+            for k, s in zip(("hidden", "table", "bias", "targets", "weights"), specs)]
+    return fn(*args)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["Mesh", "make_mesh"])
+@pytest.mark.parametrize("strategy", ["cutbce", "dense_bce", "cutce", "dense_ce", "cutbce_pallas"])
+def test_manual_layout_inside_callers_shard_map(strategy, explicit, rng):
+    """Loss, metrics and gradients from the caller's own data-parallel shard_map (8 devices, the
+    table's gradient reduced in place in chunks of 200 rows and a remainder) equal the
+    single-device ones: the batch sums pass each device's own gradient back, not |data| times it."""
+    if explicit:
+        mesh = jax.make_mesh((8,), ("data",))
+    else:
+        mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    inputs = make_inputs(rng, lead=(8, 5), V=1000, rows=1024)
+    inputs = dict(inputs, hidden=inputs["hidden"].reshape(40, -1), targets=inputs["targets"].reshape(40, -1),
+                  weights=inputs["weights"].reshape(40))
+    opts = dict(vocab_size=1000, block_v=128, block_n=8)
+    if strategy == "cutbce_pallas":
+        opts = dict(vocab_size=1000, interpret=True)
+    ref_loss, ref_m, ref_g = loss_and_grads(strategy, inputs, None, **opts)
+    loss, mets, grads = _manual_loss_and_grads(strategy, inputs, mesh, chunk_bytes=200 * 16 * 4, **opts)
+    assert rel(loss, ref_loss) <= 1e-5, (loss, ref_loss)
+    for k in ref_m:
+        assert rel(mets[k], ref_m[k]) <= 1e-5, (k, mets[k], ref_m[k])
+    for name, g, rg in zip(("hidden", "table", "bias"), grads, ref_g):
+        assert float(jnp.max(jnp.abs(rg))) > 0, name
+        assert rel(g, rg) <= 1e-4, (name, rel(g, rg))
+
+
+def test_psum_in_place_keeps_one_buffer():
+    """On 8 CPU devices: the chunked sum equals psum for every chunk size (one row, a remainder, one
+    chunk, the whole array), and its compiled temporaries are one chunk, where psum's hold a second
+    array."""
+    from recloss import _compat
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8 * 1000, 64)), jnp.float32)
+
+    def run(fn):
+        return jax.jit(_compat.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                                         check_vma=False))
+    ref = run(lambda x: jax.lax.psum(x, "data"))(x)
+    for chunk_rows in (1, 300, 1000, 4000):
+        got = run(lambda x: recloss.psum_in_place(x, "data", chunk_bytes=chunk_rows * 64 * 4))(x)
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    arg = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("data")))
+
+    def temp(fn):
+        f = jax.jit(_compat.shard_map(lambda x: fn(x * 2.0), mesh=mesh, in_specs=P("data"),
+                                      out_specs=P("data"), check_vma=False))
+        return f.lower(arg).compile().memory_analysis().temp_size_in_bytes
+    whole = temp(lambda x: jax.lax.psum(x, "data"))
+    chunked = temp(lambda x: recloss.psum_in_place(x, "data", chunk_bytes=100 * 64 * 4))
+    one = 1000 * 64 * 4
+    assert chunked < whole and chunked <= one // 2, (chunked, whole)
+
+
+def test_manual_layout_errors():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "vocab"))
+    with pytest.raises(ValueError, match=r"manual=True\) takes the whole table.*split 4 ways"):
+        recloss.MeshLayout(mesh, batch_axes=("data",), fsdp_axis=None, vocab_axis="vocab", manual=True)
+    with pytest.raises(TypeError, match="MeshLayout.manual must be True or False, got 'yes'"):
+        recloss.MeshLayout(mesh, batch_axes=("data",), fsdp_axis=None, vocab_axis=None, manual="yes")
+    layout = recloss.MeshLayout(mesh, batch_axes=("data",), fsdp_axis=None, vocab_axis=None, manual=True)
+    strat = recloss.get_strategy("sampled_softmax", recloss.LossOptions(in_batch_negatives=True,
+                                                                        num_negatives=4))
+    with pytest.raises(ValueError, match="in_batch_negatives=True.*manual=True"):
+        strat(jnp.ones((4, 8)), jnp.ones((128, 8)), jnp.zeros((4, 1), jnp.int32), layout=layout,
+              key=jax.random.key(0))

@@ -60,6 +60,14 @@ class SampledStrategy(Strategy):
                           cand_count=jnp.sum(gvalid, dtype=jnp.float32))
         return extras
 
+    def check_manual(self):
+        """In-batch negatives are the whole batch's targets, which one device's rows do not hold."""
+        if self.options.in_batch_negatives:
+            raise ValueError(f"strategy {self.name!r} with in_batch_negatives=True draws its in-batch "
+                             f"negatives from the whole batch, which MeshLayout(manual=True) does not "
+                             f"see (each device has its own rows); use manual=False, or "
+                             f"in_batch_negatives=False")
+
     def extra_specs(self, layout, extras):
         """Every extra replicated: the same negatives, proposal and in-batch candidates on every shard."""
         return {name: P() for name in extras}

@@ -95,19 +95,32 @@ class SASRec(nnx.Module):
                           if untie_embeddings else None)
         self.out_bias = nnx.Param(jnp.full((vocab_rows,), output_bias_init, jnp.float32)) if use_output_bias else None
 
-    def __call__(self, ids, *, rng: Optional[jax.Array] = None):
+    def dropout_keep(self, rng: Optional[jax.Array], batch_shape):
+        """The keep masks of one step's dropout: bool [1 + 2·layers, B, N, D] drawn from ``rng`` for
+        ids of ``batch_shape`` (B, N), or None (no key, or dropout 0). One draw for every dropout
+        site: a single RNG kernel compiles and runs much faster than one per site."""
+        if rng is None or self.dropout <= 0:
+            return None
+        sites = 1 + 2 * len(self.blocks)
+        return jax.random.bernoulli(rng, 1.0 - self.dropout,
+                                    (sites, *batch_shape, self.item_emb.embedding.shape[1]))
+
+    def __call__(self, ids, *, rng: Optional[jax.Array] = None, keep=None, item_vectors=None):
         """ids [B, N] int (0 = padding, right-padded) -> hidden [B, N, D] in the compute dtype.
 
-        ``rng``: a key enables dropout (training); None = deterministic."""
+        ``rng``: a key enables dropout (training); None = deterministic. ``keep``: the masks
+        `dropout_keep` draws, given instead of ``rng`` (a step that draws them for the whole batch
+        and runs the model on a part). ``item_vectors`` [B, N, D]: the item embeddings of ``ids``
+        when the caller has looked them up (`tied_lookup`)."""
         n = ids.shape[1]
         if n > self.pos_emb.num_embeddings:
             raise ValueError(f"sequence length {n} exceeds max_seq_len={self.pos_emb.num_embeddings}")
-        x = (self.item_emb(ids) + self.pos_emb(jnp.arange(n))[None]).astype(self.dtype)
-        keep = [None] * (1 + 2 * len(self.blocks))
-        if rng is not None and self.dropout > 0:
-            # One draw for every dropout site: a single RNG kernel compiles and runs
-            # much faster than one per site.
-            keep = jax.random.bernoulli(rng, 1.0 - self.dropout, (len(keep),) + x.shape)
+        items = self.item_emb(ids) if item_vectors is None else item_vectors
+        x = (items + self.pos_emb(jnp.arange(n))[None]).astype(self.dtype)
+        if keep is None:
+            keep = self.dropout_keep(rng, ids.shape)
+        if keep is None:
+            keep = [None] * (1 + 2 * len(self.blocks))
         x = _dropout(x, self.dropout, keep[0])
         for layer, block in enumerate(self.blocks):
             x = block(x, keep[1 + 2 * layer], keep[2 + 2 * layer])
@@ -120,3 +133,26 @@ class SASRec(nnx.Module):
     def output_bias(self):
         """[V] float32 or None."""
         return None if self.out_bias is None else self.out_bias[...]
+
+
+@jax.custom_vjp
+def tied_lookup(table, ids):
+    """(table, table[ids]): a tied table and its rows at ids [B, N], whose gradient is written once.
+
+    The backward scatter-adds the rows' cotangent into the table's own cotangent (the output
+    layer's dE) in place, so the step holds one table-sized gradient where autodiff of two uses
+    sums two (the lookup's scatter into zeros, and dE)."""
+    return table, jnp.take(table, ids, axis=0)
+
+
+def _tied_lookup_fwd(table, ids):
+    return tied_lookup(table, ids), ids
+
+
+def _tied_lookup_bwd(ids, cts):
+    de, dx = cts
+    rows = dx.reshape(-1, dx.shape[-1]).astype(de.dtype)
+    return de.at[ids.reshape(-1)].add(rows), None
+
+
+tied_lookup.defvjp(_tied_lookup_fwd, _tied_lookup_bwd)

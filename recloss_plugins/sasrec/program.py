@@ -41,7 +41,8 @@ import recloss
 from recloss_plugins.config import SCHEMA, loss_options
 from recloss_plugins.sasrec import parallel
 from recloss_plugins.sasrec.eval import blocked_top_k
-from recloss_plugins.sasrec.model import SASRec, compute_dtype
+from recloss import _compat
+from recloss_plugins.sasrec.model import SASRec, compute_dtype, tied_lookup
 
 
 def base_rate_logit(num_labels: int, vocab_size: int) -> float:
@@ -153,6 +154,7 @@ class Program:
     train_step: Callable       # (state, batch) -> (state, metrics)
     eval_top_k: Callable       # (params, inputs [U, N], lengths [U]) -> (scores [U, K], ids [U, K])
     prng_impl: str = PRNG_IMPL  # the implementation of every key (recorded in checkpoints)
+    manual: Optional[recloss.MeshLayout] = None   # the loss's layout when the step is data parallel by hand
     _compiled: Any = dataclasses.field(default=None, repr=False)
 
     def compiled_train_step(self):
@@ -263,10 +265,39 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
                        **extra)
         return out.loss, out.metrics
 
+    manual = _manual_data_parallel(strategy, layout)
+
+    def local_grads(params, batch, keep, step):
+        """This device's rows under the step's shard_map over the batch axes: the global loss and
+        metrics, and the parameters' gradients summed over the devices in place."""
+        def f(p):
+            xv = None
+            if "out_table" not in p:   # tied: the lookup's gradient goes into the loss's dE
+                table, xv = tied_lookup(p["item_emb"]["embedding"], batch["inputs"])
+                p = dict(p, item_emb=dict(p["item_emb"], embedding=table))
+            model = nnx.merge(graphdef, p)
+            hidden = model(batch["inputs"], keep=keep, item_vectors=xv)
+            extra = {} if not sampled else dict(sampled, key=negatives_key(seed, step))
+            out = strategy(hidden, model.output_table().astype(cdtype), batch["targets"], batch["weights"],
+                           model.output_bias(), layout=manual, **extra)
+            return out.loss, out.metrics
+
+        (loss, mets), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return loss, mets, jax.tree.map(lambda g: recloss.psum_in_place(g, manual.batch_axes), grads)
+
     def train_step(state, batch):
         key = jax.random.fold_in(wrap_key(state["rng"]), state["step"])
         key = key if cfg.dropout > 0 else None
-        (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key, state["step"])
+        if manual is None:
+            (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key,
+                                                                            state["step"])
+        else:   # the masks drawn for the whole batch, as the sharded model would, then split
+            keep = nnx.merge(graphdef, state["params"]).dropout_keep(key, batch["inputs"].shape)
+            keep_spec = None if keep is None else P(None, *layout.batch_spec(3))
+            fn = _compat.shard_map(local_grads, mesh=mesh,
+                                   in_specs=(P(), parallel.batch_specs(layout), keep_spec, P()),
+                                   out_specs=(P(), P(), P()), check_vma=False)
+            loss, mets, grads = fn(state["params"], batch, keep, state["step"])
         gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -297,12 +328,32 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
     return Program(
         cfg=cfg, mesh=mesh, layout=layout, strategy=strategy, vocab_size=vocab_size, rows=rows, batch_size=b,
         graphdef=graphdef, tx=tx, schedule=schedule, abstract_state=abstract_state, state_shardings=state_sh,
+        manual=manual,
         batch_shardings=batch_sh,
         init=_pinned(jax.jit(init, out_shardings=state_sh)),
         train_step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                            donate_argnums=(0,)),
         eval_top_k=jax.jit(eval_top_k, in_shardings=eval_in),
     )
+
+
+def _manual_data_parallel(strategy, layout: recloss.MeshLayout) -> Optional[recloss.MeshLayout]:
+    """The loss's layout for a hand-written data-parallel step, or None for the sharded one.
+
+    When the table is whole on every chip (no vocab or fsdp split) and the batch is split, the
+    step runs the model and the loss under its own shard_map over the batch axes
+    (`recloss.MeshLayout` ``manual``) and sums the gradients with `recloss.psum_in_place`: the
+    table's gradient is one buffer, reduced in place, where XLA's all-reduce of the sharded step
+    holds its operand and result (two table-sized buffers; docs/design.md "Measured choices")."""
+    if layout.table_shards > 1 or layout.batch_shards == 1:
+        return None
+    batch = tuple(a for a in layout.batch_axes if layout.axis_size(a) > 1)
+    manual = dataclasses.replace(layout, batch_axes=batch, fsdp_axis=None, vocab_axis=None, manual=True)
+    try:
+        strategy.check_manual()
+    except ValueError:   # e.g. in-batch negatives need the whole batch: the sharded step
+        return None
+    return manual
 
 
 def _pinned(fn):

@@ -140,6 +140,9 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
         ds.local_batch_size(B)  # B must split over the shards: a named error before any work
     say(f"mesh: {dict(mesh.shape)} over {len(devices)} {program.layout.platform} device(s); "
         f"loss={cfg.loss}; table rows {program.rows} (V={vocab}); global batch {B}")
+    if program.manual is not None:
+        say(f"train step: data parallel under shard_map over {program.manual.batch_axes}, "
+            f"gradients summed in place (recloss.psum_in_place)")
 
     writer = MetricsWriter(run_dir, cfg.enable_tensorboard, active=is_main, log=say)
     ckpt = Checkpoints(run_dir / "checkpoints", cfg.max_checkpoints_to_keep) if cfg.enable_checkpointing else None

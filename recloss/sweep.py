@@ -153,7 +153,9 @@ def blocks(m: int, v_local: int, *, block_v: Optional[int], block_n: Optional[in
     """Block sizes for M rows and a V_local-row table (explicit sizes win).
 
     The default block_v is ``BLOCK_V`` or a divisor of V_local within a factor 2
-    below it: then the emitted dE blocks already form [V_local, D], with no copy.
+    below it, a multiple of 8 where one is: then the emitted f32 dE blocks
+    [V_local/block_v, block_v, D] already form [V_local, D], with no copy (on TPU
+    only a block of whole (8, 128) tiles reshapes for free).
     Each vocab block is walked in row tiles of block_n so one logit tile is
     ~``TILE_BYTES`` (XLA:CPU materialises the elementwise passes between the
     matmuls; the tile bounds that memory). ``static_offset``: the shard's first
@@ -161,7 +163,8 @@ def blocks(m: int, v_local: int, *, block_v: Optional[int], block_n: Optional[in
     columns need masking.
     """
     if not block_v:
-        block_v = next((c for c in range(BLOCK_V, BLOCK_V // 2, -1) if v_local % c == 0), BLOCK_V)
+        divisors = [c for c in range(BLOCK_V, BLOCK_V // 2, -1) if v_local % c == 0]
+        block_v = next((c for c in divisors if c % 8 == 0), divisors[0] if divisors else BLOCK_V)
     block_v = max(1, min(block_v, v_local))
     if not block_n:
         block_n = max(8, TILE_BYTES // (4 * block_v))

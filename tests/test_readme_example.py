@@ -98,3 +98,9 @@ def test_sharding_example_runs_and_equals_one_device():
     assert rel(ns["d_table"], ref_de) <= 1e-4
     assert float(np.max(np.abs(np.asarray(ns["d_table"])[v:]))) == 0.0     # padding rows inert
     assert isinstance(ns["specs"], recloss.Specs)
+    # The data-parallel step written by hand (MeshLayout(manual=True) and psum_in_place).
+    assert len(blocks) >= 2, f"no second ```python block (the hand-written data-parallel step) in {path}"
+    exec(compile(blocks[1], f"{path.name}:{SHARDING_HEADING} (manual)", "exec"), ns)  # noqa: S102
+    assert ns["manual"].manual
+    assert rel(ns["dp_loss"], ref) <= 1e-5, (float(ns["dp_loss"]), float(ref))
+    assert rel(ns["dp_d_table"], ref_de) <= 1e-4

@@ -35,6 +35,30 @@ _STEPS = re.compile(r"HloLiveRange \(max (\d+)\)")
 _LIVE_RANGE = "after_optimizations-live-range.txt"
 
 
+def memory_report(compiled) -> Dict[str, float]:
+    """Per-device bytes of a compiled program (MaxText's accounting: args + outputs + temps − aliases)."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {}
+    if isinstance(ma, (list, tuple)):
+        ma = ma[0]
+    get = lambda name: float(getattr(ma, name, 0) or 0)
+    out = {"argument": get("argument_size_in_bytes"), "output": get("output_size_in_bytes"),
+           "temp": get("temp_size_in_bytes"), "alias": get("alias_size_in_bytes"),
+           "code": get("generated_code_size_in_bytes")}
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+def format_memory(rep: Dict[str, float]) -> str:
+    """`memory_report` in one line of GiB."""
+    if not rep:
+        return "memory analysis unavailable on this backend"
+    g = lambda x: f"{x / 2**30:.3f} GiB"
+    return (f"total {g(rep['total'])} = arguments {g(rep['argument'])} + outputs {g(rep['output'])} "
+            f"+ temporaries {g(rep['temp'])} - aliased {g(rep['alias'])} (code {g(rep['code'])})")
+
+
 def dump_options(folder: str) -> Dict[str, str]:
     """Compile options (``lowered.compile(compiler_options=...)``) that make XLA dump the compiled
     module and its buffer analysis into ``folder``."""

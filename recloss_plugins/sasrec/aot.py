@@ -22,7 +22,7 @@ from typing import Callable, Dict, Optional
 from recloss.bench import buffers
 from recloss_plugins.config import dump_config
 from recloss_plugins.sasrec import parallel
-from recloss_plugins.sasrec.program import build_program, format_memory, memory_report
+from recloss_plugins.sasrec.program import build_program
 
 
 def vocab_size_for(cfg) -> int:
@@ -41,7 +41,7 @@ def compile_step(cfg, devices, vocab: int, batch_size: Optional[int] = None, dum
     lowered = program.train_step.lower(program.abstract_state, program.abstract_batch())
     options = None if dump_to is None else buffers.dump_options(dump_to)
     compiled = lowered.compile(compiler_options=options)
-    return compiled, memory_report(compiled), program
+    return compiled, buffers.memory_report(compiled), program
 
 
 def compile_oom(err: Exception) -> Optional[str]:
@@ -134,7 +134,7 @@ def compile_report(cfg, log=print) -> Dict[str, object]:
         f"{devices[0].device_kind}) in {time.perf_counter() - t0:.1f}s: loss={cfg.loss}, mesh "
         f"{dict(program.mesh.shape)}, V={vocab} ({program.rows} rows), D={cfg.emb_dim}, N={cfg.max_seq_len}, "
         f"global batch {program.batch_size} ({program.batch_size // program.layout.batch_shards} per batch shard)")
-    log(f"per-chip HBM: {format_memory(rep)}")
+    log(f"per-chip HBM: {buffers.format_memory(rep)}")
     log(buffers.report(top, top=5))
     out = {"total_gib": gib, "memory": rep, "global_batch_size": program.batch_size, "buffers": top}
     if cfg.compile_fit_hbm_gib > 0:

@@ -27,7 +27,7 @@ import numpy as np
 
 from recloss_plugins.config import default_config_path, load_config
 from recloss_plugins.sasrec import data as data_lib
-from recloss_plugins.sasrec.program import memory_report
+from recloss.bench.buffers import memory_report
 from recloss_plugins.sasrec.train import train
 
 # (row label, config overrides): the losses the table compares.

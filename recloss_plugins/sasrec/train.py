@@ -34,7 +34,8 @@ from recloss_plugins.sasrec.data import pipeline as pipeline_lib
 from recloss_plugins.sasrec.checkpoints import Checkpoints
 from recloss_plugins.sasrec.logging_utils import (MetricsWriter, Progress, format_duration, format_eval,
                                                   format_loss_metrics, loss_metrics)
-from recloss_plugins.sasrec.program import Program, format_memory, memory_report, program_for
+from recloss.bench.buffers import format_memory, memory_report
+from recloss_plugins.sasrec.program import Program, program_for
 
 USAGE = """usage: recloss-train [CONFIG.yml] [key=value ...]
 

@@ -71,6 +71,9 @@ def compile_step(argv: Sequence[str], *, out=None) -> Measured:
     the recloss loss installed when argv has ``loss=``; prints and returns the step's `Measured`."""
     import importlib
 
+    from recloss.bench.topology import libtpu_aot_env
+
+    libtpu_aot_env()   # off a TPU VM: name this host the only worker (no libtpu noise, nothing probed)
     module = importlib.import_module(_MODULE)
     loss = loss_argument(argv)
     record: list = []

@@ -41,7 +41,6 @@ import recloss
 from recloss_plugins.config import SCHEMA, loss_options
 from recloss_plugins.sasrec import parallel
 from recloss_plugins.sasrec.eval import blocked_top_k
-from recloss import _compat
 from recloss_plugins.sasrec.model import SASRec, compute_dtype, tied_lookup
 
 
@@ -294,9 +293,9 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
         else:   # the masks drawn for the whole batch, as the sharded model would, then split
             keep = nnx.merge(graphdef, state["params"]).dropout_keep(key, batch["inputs"].shape)
             keep_spec = None if keep is None else P(None, *layout.batch_spec(3))
-            fn = _compat.shard_map(local_grads, mesh=mesh,
-                                   in_specs=(P(), parallel.batch_specs(layout), keep_spec, P()),
-                                   out_specs=(P(), P(), P()), check_vma=False)
+            fn = jax.shard_map(local_grads, mesh=mesh,
+                               in_specs=(P(), parallel.batch_specs(layout), keep_spec, P()),
+                               out_specs=(P(), P(), P()), check_vma=False)
             loss, mets, grads = fn(state["params"], batch, keep, state["step"])
         gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)

@@ -38,7 +38,8 @@ def bce_loss(hidden, table, targets, weights=None, bias=None, *, strategy: str =
     """Full-vocabulary multi-label binary cross-entropy from hidden states.
 
     Logits are ``x[..., v] = hidden[...] · table[v] + bias[v]`` (never built
-    whole by the blocked strategies). Per position with target set T (unique
+    whole by the blocked strategies; c·tanh(x/c) with ``logit_soft_cap`` c, also for the
+    metrics threshold). Per position with target set T (unique
     valid ids of ``targets``), label y_v = [v ∈ T] and soft label
     y' = y(1−ε) + ε/2:
 
@@ -73,7 +74,8 @@ def softmax_loss(hidden, table, targets, weights=None, bias=None, *, strategy: s
     """Full-catalogue softmax cross-entropy with multi-positive targets, from hidden states.
 
     Logits are ``x[..., v] = (hidden[...] · table[v] + bias[v]) / τ`` (τ =
-    ``temperature``; never built whole by the blocked strategies). Per position
+    ``temperature``; never built whole by the blocked strategies; the numerator is first
+    soft-capped to c·tanh(·/c) with ``logit_soft_cap`` c). Per position
     with target set T (unique valid ids of ``targets``, k = |T|):
 
         ℓ = Z − Σ_v q_v·x_v + λ·Z²,   Z = logsumexp_v x_v,   q_v = (1 − ε)·[v ∈ T]/k + ε/V
@@ -95,7 +97,8 @@ def softmax_loss(hidden, table, targets, weights=None, bias=None, *, strategy: s
         Explicit or Auto axes; inputs placed by the strategy's ``partition_specs`` or not are
         laid out by it (`recloss.sharding.place_all`).
       **options: `LossOptions` fields: reduction, label_smoothing, z_loss,
-        temperature, pad_id, vocab_size, block_v, block_n (blocked strategies), interpret
+        temperature, logit_soft_cap (not with label_smoothing), pad_id, vocab_size, block_v, block_n
+        (blocked strategies), interpret
         (cutce_pallas), compute_metrics; for 'cutce_pallas' also ``chip=`` and ``interpret_params=``.
     Returns:
       LossOutput(loss, metrics): loss is Σ w·ℓ / Σ w over positions with a target
@@ -103,8 +106,9 @@ def softmax_loss(hidden, table, targets, weights=None, bias=None, *, strategy: s
       shape ('none'), float32 whatever the input dtypes (float32 accumulation inside,
       also for float64 inputs under ``jax_enable_x64``). metrics (float32): num_targets,
       invalid_targets, weight_sum (of positions with a target) and, with compute_metrics,
-      top1 (weighted count of positions whose argmax is a target) and mean_lse (weighted
-      mean Z). Gradients come back in the input dtypes.
+      top1 (weighted count of positions whose argmax is a target), mean_lse (weighted
+      mean Z) and, with z_loss λ > 0, z_loss (Σ w·λ·Z², the z-loss part of the 'sum'-reduced
+      loss). Gradients come back in the input dtypes.
     """
     return _for("softmax", strategy, options)(hidden, table, targets, weights, bias, layout=layout)
 

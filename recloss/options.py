@@ -32,6 +32,10 @@ class LossOptions:
     Softmax (`recloss.softmax_loss`): ``ℓ = Z − Σ_v q_v·x_v + λ·Z²`` with
     x = logits/τ, Z = logsumexp_v x_v and q_v = (1 − ε)·[v ∈ T]/|T| + ε/V.
 
+    Both: with ``logit_soft_cap`` c every logit x = a·e + b is first replaced by
+    ``c·tanh(x/c)`` (before the division by τ, the P/Q terms and the metrics threshold), so
+    ∂ℓ/∂x picks up the factor 1 − tanh²(x/c); None (the default) leaves the logits as they are.
+
     Sampled (`recloss.sampled_loss`): ``sampled_softmax`` and ``gbce`` over the targets and
     ``num_negatives`` drawn ids (see there for the formulas).
 
@@ -56,6 +60,9 @@ class LossOptions:
         (None = automatically off TPU).
       z_loss: softmax only: λ ≥ 0, adds λ·Z² per position (Z = logsumexp of the logits).
       temperature: softmax and sampled: τ > 0, logits are divided by it.
+      logit_soft_cap: BCE and softmax: c > 0, each logit x becomes c·tanh(x/c) (Gemma's final
+        logit soft cap; MaxText's final_logits_soft_cap), or None (off). Softmax strategies do not
+        take it with label_smoothing > 0 (their ε/V·Σ_v x_v is a column sum of uncapped logits).
       num_negatives: sampled only: K ≥ 1 negative ids drawn per call (≤ V, checked at the call).
       in_batch_negatives: sampled_softmax only: the other positions' targets are negatives too.
       remove_accidental_hits: sampled only: a drawn negative equal to one of a position's
@@ -65,7 +72,8 @@ class LossOptions:
     Which options a strategy takes depends on its objective: the BCE ones
     (vocab_reduction, pos_weight, focal_*, threshold) and the softmax ones
     (z_loss, temperature) are an error, naming the option and the strategy,
-    when set to a non-default value for a strategy of the other objective.
+    when set to a non-default value for a strategy of the other objective;
+    logit_soft_cap is an error for the sampled strategies.
     """
 
     reduction: str = "mean"
@@ -83,6 +91,7 @@ class LossOptions:
     interpret: Optional[bool] = None
     z_loss: float = 0.0
     temperature: float = 1.0
+    logit_soft_cap: Optional[float] = None
     num_negatives: int = 128
     in_batch_negatives: bool = False
     remove_accidental_hits: bool = True
@@ -99,7 +108,7 @@ class LossOptions:
             if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
                 object.__setattr__(self, name, int(value))
         for name in ("label_smoothing", "pos_weight", "focal_gamma", "focal_alpha", "threshold", "z_loss",
-                     "temperature", "gbce_t"):
+                     "temperature", "logit_soft_cap", "gbce_t"):
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(value))
@@ -113,6 +122,9 @@ class LossOptions:
         _check_real("threshold", self.threshold, lambda v: True, "a finite float")
         _check_real("z_loss", self.z_loss, lambda v: v >= 0.0, "a finite float >= 0")
         _check_real("temperature", self.temperature, lambda v: v > 0.0, "a finite float > 0")
+        if self.logit_soft_cap is not None:
+            _check_real("logit_soft_cap", self.logit_soft_cap, lambda v: v > 0.0,
+                        "None (no cap) or a finite float > 0")
         _check_real("gbce_t", self.gbce_t, lambda v: 0.0 <= v <= 1.0, "a float in [0, 1]")
         if isinstance(self.num_negatives, bool) or not isinstance(self.num_negatives, int) or self.num_negatives < 1:
             _fail("num_negatives", self.num_negatives, "an int >= 1 (and <= the vocabulary size)")

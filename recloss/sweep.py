@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from recloss import targets as targets_lib
+from recloss import softcap, targets as targets_lib
 from recloss.options import LossOptions
 
 # Default vocab block (a divisor of V_local within a factor 2 below it when one exists).
@@ -120,16 +120,20 @@ class Sparse(NamedTuple):
 
 def add_sparse(mode: str, plan: Plan, out: SweepOut, a, e, b, r, sp: Sparse) -> SweepOut:
     """``out`` (one dense sweep of the piece e [R, D], b [R] or None) with ``plan.sparse`` over the
-    targets ``sp`` on the same piece: x = a·e[ids] + b[ids] [M, L] f32 (0 where not valid); value +=
-    sparse(x); in 'fused' mode, with G = r·∂sparse/∂x, dA += G e[ids], dE[ids] += G·a, db[ids] += G
+    targets ``sp`` on the same piece: x = a·e[ids] + b[ids] [M, L] f32 (soft-capped with
+    ``logit_soft_cap``; 0 where not valid); value += sparse(x); in 'fused' mode, with
+    G = r·∂sparse/∂x (times the cap's slope), dA += G e[ids], dE[ids] += G·a, db[ids] += G
     (`recloss.targets.scatter_rows` into out's dE). aux becomes (out.aux, x)."""
-    rows, x = targets_lib.take_logits(a, e, b, sp.ids)                 # rows [M, L, D]
-    x = jnp.where(sp.valid, x, 0.0)
     grad = mode == "fused"
+    rows, x = targets_lib.take_logits(a, e, b, sp.ids)                 # rows [M, L, D]
+    x, slope = softcap.capped(x, plan.opts.logit_soft_cap, grad=grad)
+    x = jnp.where(sp.valid, x, 0.0)
     value, dx = plan.sparse(x, sp.valid, plan.opts, grad)
     out = out._replace(value=out.value + value, aux=(out.aux, x))
     if not grad:
         return out
+    if slope is not None:
+        dx = dx * slope
     g = jnp.where(sp.valid, dx * r[:, None], 0.0)
     da = out.da + jnp.einsum("ml,mld->md", g.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
     de, db = targets_lib.scatter_rows(a, g, sp.ids, e.shape[0], b is not None, into=(out.de, out.db))

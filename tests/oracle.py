@@ -5,7 +5,8 @@ Nothing here imports recloss: the oracle is an independent reading of
 DESIGN.md "The math" and the `LossOptions` docstring.
 
 For hidden rows h_i, table rows e_v and bias b_v the logits are
-``x_iv = h_i·e_v + b_v`` (dense [M, R] in float64). Row i's target set T_i is
+``x_iv = h_i·e_v + b_v`` (dense [M, R] in float64), or ``c·tanh((h_i·e_v + b_v)/c)`` with
+``logit_soft_cap`` c, whose derivative 1 − tanh² multiplies every logit gradient (`soft_cap`). Row i's target set T_i is
 its unique ids t with t != pad_id and 0 <= t < V (V = vocab_size or R); every
 other non-pad id is invalid and counted once per occurrence. With
 y_iv = [v ∈ T_i], the soft label y' = y(1 − ε) + ε/2 and
@@ -95,6 +96,14 @@ def softplus(x):
     return np.logaddexp(0.0, x)
 
 
+def soft_cap(raw, cap):
+    """(c·tanh(raw/c), its derivative 1 − tanh²(raw/c)) in float64; (raw, 1) when cap is None."""
+    if cap is None:
+        return raw, np.ones_like(raw)
+    t = np.tanh(raw / float(cap))
+    return float(cap) * t, 1.0 - t * t
+
+
 def sigmoid_pair(x):
     """(σ(x), 1 − σ(x)) without overflow or cancellation."""
     e = np.exp(-np.abs(x))
@@ -132,7 +141,7 @@ def labels_and_invalid(targets, vocab_size: int, rows: int, pad_id: int = -1):
 def bce_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent=None,
                reduction="mean", vocab_reduction="mean", pad_id=-1, label_smoothing=0.0,
                pos_weight=1.0, focal_gamma=0.0, focal_alpha=None, threshold=0.0,
-               vocab_size=None, **schedule) -> OracleResult:
+               vocab_size=None, logit_soft_cap=None, **schedule) -> OracleResult:
     """The loss, its gradients and the metrics in float64 (see the module docstring).
 
     Args:
@@ -146,11 +155,13 @@ def bce_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent=Non
     x = h2 @ e.T
     if bias is not None:
         x = x + f64(bias)[None, :]
+    x, slope = soft_cap(x, logit_soft_cap)
     live = (np.arange(r) < v)[None, :]
     y, invalid = labels_and_invalid(t2, v, r, pad_id)
     eps = float(label_smoothing)
     ys = y * (1.0 - eps) + eps / 2.0
     p, q, dp, dq = pq_terms(x, pos_weight=pos_weight, focal_gamma=focal_gamma, focal_alpha=focal_alpha)
+    dp, dq = dp * slope, dq * slope                  # derivatives in the uncapped logit
     vscale = 1.0 / v if vocab_reduction == "mean" else 1.0
     elem = np.where(live, ys * p + (1.0 - ys) * q, 0.0)
     ell = vscale * elem.sum(axis=1)
@@ -221,17 +232,17 @@ def logsumexp(x, axis=-1):
 
 def softmax_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent=None, reduction="mean",
                    pad_id=-1, label_smoothing=0.0, z_loss=0.0, temperature=1.0, vocab_size=None,
-                   **schedule) -> OracleResult:
+                   logit_soft_cap=None, **schedule) -> OracleResult:
     """Float64 ground truth for `recloss.softmax_loss`, from the formula alone.
 
-    Logits x_iv = (h_i·e_v + b_v)/τ over the live columns v < V (rows ≥ V are
-    inert); T_i the unique ids t ≠ pad_id in [0, V), k_i = |T_i|;
+    Logits x_iv = cap(h_i·e_v + b_v)/τ over the live columns v < V (rows ≥ V are
+    inert; cap = `soft_cap`, the identity without ``logit_soft_cap``); T_i the unique ids t ≠ pad_id in [0, V), k_i = |T_i|;
     Z_i = log Σ_{v<V} exp x_iv, q_iv = (1−ε)·[v ∈ T_i]/k_i + ε/V and
 
         ℓ_i = Z_i − Σ_v q_iv·x_iv + λ·Z_i²   (0 when k_i = 0),   ∂ℓ_i/∂x_iv = (1 + 2λZ_i)·softmax_v − q_iv.
 
     Positions with k_i = 0 have weight 0 (also in the mean's Σ w). Reductions and
-    cotangents as `bce_oracle`; gradients chain through x = raw/τ.
+    cotangents as `bce_oracle`; gradients chain through x = cap(raw)/τ.
     Metrics: num_targets Σk, invalid_targets, weight_sum Σw' (w' = w·[k > 0]),
     top1 Σ w'·[argmax_v x_iv ∈ T_i], mean_lse Σ w'·Z / Σ w'. ``metric_slack`` is
     the weight of rows whose top two logits are within 1e-5·max(1, |x|) (a float32
@@ -240,7 +251,8 @@ def softmax_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent
     lead, d, h2, e, m, r, v, t2, w = _inputs(hidden, table, targets, weights, vocab_size, schedule)
     tau, eps, lam = float(temperature), float(label_smoothing), float(z_loss)
 
-    raw = h2 @ e.T + (0.0 if bias is None else f64(bias)[None, :])
+    raw, slope = soft_cap(h2 @ e.T + (0.0 if bias is None else f64(bias)[None, :]), logit_soft_cap)
+    slope = slope[:, :v]
     x = raw[:, :v] / tau
     y, invalid = labels_and_invalid(t2, v, r, pad_id)
     y = y[:, :v]
@@ -275,9 +287,9 @@ def softmax_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent
         raise ValueError(f"oracle: unknown reduction {reduction!r}")
 
     g = np.zeros((m, r))
-    g[:, :v] = c[:, None] * dx / tau
+    g[:, :v] = c[:, None] * dx * slope / tau
     ga = np.zeros((m, r))
-    ga[:, :v] = np.abs(c)[:, None] * dx_abs / tau
+    ga[:, :v] = np.abs(c)[:, None] * dx_abs * slope / tau
     grads = {"hidden": (g @ e).reshape(lead + (d,)), "table": g.T @ h2,
              "bias": None if bias is None else g.sum(axis=0), "weights": dw.reshape(lead)}
     grad_scale = {"hidden": (ga @ np.abs(e)).reshape(lead + (d,)), "table": ga.T @ np.abs(h2),

@@ -181,7 +181,7 @@ def test_one_loss_mapping_serves_every_plugin():
                        "label_smoothing=0.1", "pos_weight=2", "focal_gamma=1", "focal_alpha=0.25",
                        "loss_threshold=-0.5", "loss_interpret=true", "vocab_reduction=sum"])
     values = {key: cfg[key] for key in LOSS_OPTION_KEYS if key in SCHEMA}
-    assert len(values) == 15  # every loss option of the trainer's config (4 of them the sampled objective's)
+    assert len(values) == 16  # every loss option of the trainer's config (4 of them the sampled objective's)
     trainer = loss_options(cfg)
     assert resolve_config({"loss": cfg.loss, **values}) == \
         ("cutbce_pallas", trainer.replace(pad_id=recloss.LossOptions().pad_id))
@@ -208,6 +208,9 @@ def test_softmax_options_map_and_load():
     assert (opts.z_loss, opts.temperature, opts.label_smoothing, opts.block_v) == (1e-4, 0.5, 0.1, 128)
     assert recloss.get_strategy(cfg.loss, opts).objective == "softmax"
     assert load_config([str(BASE), "loss=dense_ce"]).loss == "dense_ce"
+    for name in ("cutce", "cutbce_pallas"):    # the soft cap: both objectives, null (off) by default
+        assert loss_options(load_config([str(BASE), f"loss={name}", "logit_soft_cap=30"])).logit_soft_cap == 30.0
+    assert loss_options(load_config([str(BASE)])).logit_soft_cap is None
 
 
 @pytest.mark.parametrize("args, key, fragment", [
@@ -220,6 +223,11 @@ def test_softmax_options_map_and_load():
     (["loss=dense_bce", "temperature=0.5"], "temperature", "strategy 'dense_bce'"),
     (["loss=cutce", "temperature=0"], "temperature", "temperature=0.0"),
     (["loss=cutce", "z_loss=-1"], "z_loss", "z_loss=-1.0"),
+    (["loss=cutbce", "logit_soft_cap=0"], "logit_soft_cap", "logit_soft_cap=0.0"),
+    (["loss=cutce", "logit_soft_cap=-30"], "logit_soft_cap", "logit_soft_cap=-30.0"),
+    (["loss=gbce", "logit_soft_cap=30"], "logit_soft_cap", "strategy 'gbce' (sampled objective"),
+    (["loss=cutce", "logit_soft_cap=30", "label_smoothing=0.1"], "loss", "label_smoothing=0.1 together with "
+                                                                         "logit_soft_cap=30.0"),
 ])
 def test_options_of_the_other_objective_fail_naming_key_and_strategy(args, key, fragment):
     with pytest.raises(ConfigError) as err:

@@ -180,6 +180,37 @@ def test_bf16_matches_oracle_on_rounded_inputs(strategy, scenario, rng):
                          evaluate=scenario == "bf16")
 
 
+# ------------------------------------------------------------------------- logit soft cap
+# LossOptions.logit_soft_cap c: every logit x becomes c·tanh(x/c). Caps of 2-4 bend the logits in
+# use (x ≈ N(0, 4)); Gemma's 30 against ±1e4 logits saturates them (their gradient is then ~0, not
+# ill-conditioned). make_case's targets have padding, repeats, invalid ids and an all-padding row.
+SOFT_CAP_SCENARIOS = {
+    "unaligned": (dict(lead=(2, 65), V=1000, D=123, L=8), dict(logit_soft_cap=3.0)),
+    "logits_1e4_focal_threshold": (dict(D=64, huge=1e4, bias=True),
+                                   dict(logit_soft_cap=30.0, focal_gamma=2.0, focal_alpha=0.25,
+                                        label_smoothing=0.1, threshold=29.0)),
+    "none_small_blocks_vocab_lt_rows": (dict(lead=(2, 65), V=1000, rows=1100, D=40, bias=True, weights="random"),
+                                        dict(logit_soft_cap=2.0, reduction="none", block_v=256, block_n=48,
+                                             vocab_size=1000, threshold=1.5, pos_weight=2.0)),
+    "bf16": (dict(D=64, dtype=jnp.bfloat16, bias=True, weights="random"),
+             dict(logit_soft_cap=4.0, label_smoothing=0.1, reduction="sum")),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SOFT_CAP_SCENARIOS))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_logit_soft_cap_matches_oracle(strategy, scenario, rng):
+    case_kw, opts = SOFT_CAP_SCENARIOS[scenario]
+    case = make_case(rng, **case_kw)
+    tol = dict(tol_loss=2e-2, tol_grad=2e-2) if case["hidden"].dtype == jnp.bfloat16 else {}
+    _, grads, ref = check_against_oracle(strategy, case, opts, rng, evaluate=scenario == "unaligned", **tol)
+    uncapped = bce_oracle(**case, **{**opts, "logit_soft_cap": None})
+    assert np.max(np.abs(ref.loss - uncapped.loss)) > 1e-3 * np.max(np.abs(uncapped.loss))   # the cap matters
+    assert np.abs(ref.logits).max() <= opts["logit_soft_cap"]
+    for g in grads.values():
+        assert np.all(np.isfinite(f64(g)))
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_reductions_agree_with_each_other(strategy, rng):
     """mean = sum / Σw and sum = Σ none, on the same inputs (beyond agreeing with the oracle)."""
@@ -363,6 +394,24 @@ def test_oracle_gradients_match_finite_differences(reduction, rng):
     assert np.all(ref.grads["table"][9:] == 0.0) and np.all(ref.grads["bias"][9:] == 0.0)
 
 
+def test_oracle_soft_cap_gradients_match_finite_differences(rng):
+    """The oracle's soft-capped logits and their gradient chain, against central differences."""
+    opts = dict(label_smoothing=0.1, pos_weight=1.7, focal_gamma=1.5, logit_soft_cap=1.5, vocab_reduction="sum")
+    case = make_case(rng, lead=(2, 3), V=9, D=5, L=3, bias=True, logit_scale=3.0)
+    case = {k: (None if v is None else np.asarray(v, np.float64 if k != "targets" else None)) for k, v in case.items()}
+    ref = bce_oracle(**case, **opts)
+    for name in ("hidden", "table", "bias"):
+        base = case[name]
+        fd = np.zeros_like(base)
+        for idx in np.ndindex(base.shape):
+            up, dn = base.copy(), base.copy()
+            up[idx] += 1e-6
+            dn[idx] -= 1e-6
+            fd[idx] = (bce_oracle(**{**case, name: up}, **opts).loss
+                       - bce_oracle(**{**case, name: dn}, **opts).loss) / 2e-6
+        np.testing.assert_allclose(ref.grads[name], fd, rtol=1e-5, atol=1e-8, err_msg=name)
+
+
 # ------------------------------------------------------------------------- random search
 @st.composite
 def _random_problem(draw):
@@ -399,16 +448,20 @@ def test_random_problems_match_oracle(strategy, problem):
     check_against_oracle(strategy, case, opts, rng)
 
 
+@pytest.mark.parametrize("cap", [None, 1.5])
 @pytest.mark.parametrize("name", ["cutbce", "cutbce_pallas"])
-def test_sparse_term_in_the_fused_sweep_equals_the_separate_correction(name, rng):
+def test_sparse_term_in_the_fused_sweep_equals_the_separate_correction(name, cap, rng):
     # recloss.sweep.sweep_total with the correction as its sparse term (what a ring runs at each
     # slice's visit) against the background sweep plus the correction through targets.gather_logits,
-    # on a whole shard: value, target logits and the gradients in hidden, table, bias and r.
-    from recloss import sweep
+    # on a whole shard: value, target logits and the gradients in hidden, table, bias and r; with a
+    # soft cap, the separate path caps the gathered logits by autodiff (softcap.soft_cap), the fused
+    # one by hand (softcap.capped).
+    from recloss import softcap, sweep
     from recloss.bce import bernoulli
     from recloss.shard import VocabShard
 
-    opts = recloss.LossOptions(label_smoothing=0.1, pos_weight=2.0, vocab_size=190, block_v=128, block_n=8)
+    opts = recloss.LossOptions(label_smoothing=0.1, pos_weight=2.0, vocab_size=190, block_v=128, block_n=8,
+                               logit_soft_cap=cap)
     strategy = recloss.get_strategy(name, opts)
     case = make_case(rng, lead=(37,), V=190, rows=200, D=24, L=5, bias=True)
     h, e, b, t = case["hidden"], case["table"], case["bias"], case["targets"]
@@ -426,7 +479,7 @@ def test_sparse_term_in_the_fused_sweep_equals_the_separate_correction(name, rng
 
     def separate(h, e, b, r):
         shard, ids, valid, plan = parts(h, e, b, r)
-        x = shard.gather_logits(h, ids, valid)
+        x = softcap.soft_cap(shard.gather_logits(h, ids, valid), cap)
         bg, _ = sweep.sweep_total(h, shard, r, plan)
         return bg + jnp.sum(r * bernoulli.correction(x, valid, opts)), jnp.where(valid, x, 0.0)
 

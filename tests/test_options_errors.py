@@ -107,6 +107,8 @@ BAD_OPTIONS = [
     ("vocab_size", 0), ("vocab_size", -1), ("vocab_size", 1000.0),
     ("compute_metrics", 1), ("compute_metrics", "yes"), ("compute_metrics", None),
     ("interpret", "no"), ("interpret", 0),
+    ("logit_soft_cap", 0), ("logit_soft_cap", -30.0), ("logit_soft_cap", math.nan), ("logit_soft_cap", math.inf),
+    ("logit_soft_cap", "30"), ("logit_soft_cap", True),
 ]
 
 
@@ -144,6 +146,7 @@ GOOD_OPTIONS = [
     dict(focal_gamma=0), dict(focal_gamma=5.0), dict(focal_alpha=0.0), dict(focal_alpha=1.0),
     dict(focal_alpha=None), dict(threshold=-3), dict(threshold=2.5), dict(block_v=1), dict(block_n=1),
     dict(vocab_size=1), dict(compute_metrics=False), dict(interpret=True), dict(interpret=None),
+    dict(logit_soft_cap=None), dict(logit_soft_cap=30.0), dict(logit_soft_cap=1e-3), dict(logit_soft_cap=50),
 ]
 
 
@@ -293,6 +296,7 @@ def test_builtin_strategies_know_their_platforms(strategy):
     ("dense_bce", dict(interpret=True)), ("dense_ce", dict(interpret=False)), ("cutbce", dict(interpret=True)),
     ("cutce", dict(interpret=True)), ("dense_bce", dict(block_v=128)), ("dense_ce", dict(block_n=8)),
     ("gbce", dict(label_smoothing=0.1)), ("sampled_softmax", dict(block_v=128)), ("gbce", dict(interpret=True)),
+    ("gbce", dict(logit_soft_cap=30.0)), ("sampled_softmax", dict(logit_soft_cap=30.0)),
 ])
 def test_an_option_the_strategy_ignores_is_an_error_naming_it(strategy, option):
     (name, value), = option.items()

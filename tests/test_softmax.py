@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import recloss
 from helpers import assert_close, CANCEL_FLOOR, make_case, options_for, strategies
-from oracle import f64, softmax_oracle
+from oracle import f64, labels_and_invalid, logsumexp, softmax_oracle
 
 STRATEGIES = strategies("softmax")
 
@@ -129,6 +129,83 @@ def test_bf16_matches_oracle_on_rounded_inputs(strategy, scenario, rng):
     check(strategy, case, opts, rng, tol_loss=2e-2, tol_grad=2e-2)
 
 
+# ------------------------------------------------------------------------- logit soft cap
+# LossOptions.logit_soft_cap c: x = c·tanh((a·e + b)/c)/τ. Caps of 2-4 bend the logits in use;
+# Gemma's 30 against ±1e4 logits saturates them, which also makes their gradient well-conditioned:
+# the default 1e-4 tolerance holds, not test_matches_oracle's allowance for raw 1e4 logits.
+SOFT_CAP = {
+    "unaligned": (dict(lead=(1, 130), V=1000, D=123, L=8), dict(logit_soft_cap=3.0)),
+    "logits_1e4_z_loss_temperature": (dict(D=64, huge=1e4, bias=True),
+                                      dict(logit_soft_cap=30.0, z_loss=1e-3, temperature=0.5)),
+    "none_small_blocks_vocab_lt_rows": (dict(V=900, rows=1000, D=50, bias=True, weights="random"),
+                                        dict(logit_soft_cap=2.0, reduction="none", temperature=2.0, z_loss=1e-2,
+                                             vocab_size=900, block_v=128, block_n=40)),
+    "bf16": (dict(D=64, dtype=jnp.bfloat16, bias=True, weights="random"),
+             dict(logit_soft_cap=4.0, z_loss=1e-3, reduction="sum")),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SOFT_CAP))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_logit_soft_cap_matches_oracle(strategy, scenario, rng):
+    case_kw, opts = SOFT_CAP[scenario]
+    case = make_case(rng, **case_kw)
+    tol = dict(tol_loss=2e-2, tol_grad=2e-2) if case["hidden"].dtype == jnp.bfloat16 else {}
+    _, grads, ref = check(strategy, case, opts, rng, **tol)
+    uncapped = softmax_oracle(**case, **{**opts, "logit_soft_cap": None})
+    assert np.max(np.abs(ref.loss - uncapped.loss)) > 1e-3 * np.max(np.abs(uncapped.loss))   # the cap matters
+    assert np.abs(ref.logits).max() <= opts["logit_soft_cap"] / opts.get("temperature", 1.0)
+    for g in grads.values():
+        assert np.all(np.isfinite(f64(g)))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_logit_soft_cap_single_label_equals_optax_on_capped_logits(strategy, rng):
+    """L = 1: optax's CE of c·tanh(x/c) (MaxText's final_logits_soft_cap, then its cross-entropy)."""
+    h = jnp.asarray(rng.normal(size=(3, 37, 40)), jnp.float32)
+    e = jnp.asarray(rng.normal(size=(777, 40)) * 0.5, jnp.float32)
+    t = jnp.asarray(rng.integers(0, 777, size=(3, 37, 1)), jnp.int32)
+
+    def ours(h, e):
+        return recloss.softmax_loss(h, e, t, strategy=strategy, logit_soft_cap=2.5,
+                                    **options_for(strategy, dict(block_v=128, block_n=24))).loss
+
+    def theirs(h, e):
+        return optax.softmax_cross_entropy_with_integer_labels(2.5 * jnp.tanh(h @ e.T / 2.5), t[..., 0]).mean()
+
+    np.testing.assert_allclose(float(jax.jit(ours)(h, e)), float(theirs(h, e)), rtol=1e-6)
+    for g, r in zip(jax.grad(ours, argnums=(0, 1))(h, e), jax.grad(theirs, argnums=(0, 1))(h, e)):
+        assert_close(g, r, 1e-5, "grad vs optax")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_label_smoothing_with_a_soft_cap_is_an_error_naming_both(strategy):
+    with pytest.raises(ValueError) as info:
+        recloss.get_strategy(strategy, label_smoothing=0.1, logit_soft_cap=30.0)
+    msg = str(info.value)
+    assert repr(strategy) in msg and "label_smoothing=0.1" in msg and "logit_soft_cap=30.0" in msg, msg
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_z_loss_metric_is_the_weighted_z_loss_sum(strategy, reduction, rng):
+    """metrics['z_loss'] = Σ w·λ·Z² over positions with a target (float64 Z of the capped logits),
+    which is also the loss it adds ('sum'); absent when λ = 0."""
+    case = make_case(rng, lead=(2, 33), V=500, D=32, weights="random", bias=True)
+    args = (case["hidden"], case["table"], case["targets"], case["weights"], case["bias"])
+    opts = dict(z_loss=1e-2, temperature=0.7, logit_soft_cap=3.0, reduction=reduction)
+    out = recloss.softmax_loss(*args, strategy=strategy, **opts)
+    ref = softmax_oracle(**case, **opts)
+    y, _ = labels_and_invalid(np.asarray(case["targets"]).reshape(66, -1), 500, 500)
+    wp = f64(case["weights"]).reshape(-1) * (y.sum(1) > 0)
+    z = logsumexp(ref.logits)
+    np.testing.assert_allclose(float(out.metrics["z_loss"]), float(np.sum(wp * 1e-2 * z * z)), rtol=1e-5)
+    if reduction == "sum":
+        without = recloss.softmax_loss(*args, strategy=strategy, **{**opts, "z_loss": 0.0})
+        assert "z_loss" not in without.metrics
+        np.testing.assert_allclose(float(out.loss - without.loss), float(out.metrics["z_loss"]), rtol=1e-4)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_all_weights_zero(strategy, reduction, rng):
@@ -223,7 +300,8 @@ def test_cutce_gradient_holds_no_bn_by_v_buffer():
 # ------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("name,value", [("temperature", 0.0), ("temperature", -1.0), ("z_loss", -0.1),
                                         ("label_smoothing", 1.0), ("label_smoothing", -0.1),
-                                        ("temperature", float("nan"))])
+                                        ("temperature", float("nan")), ("logit_soft_cap", 0.0),
+                                        ("logit_soft_cap", -30.0), ("logit_soft_cap", float("inf"))])
 def test_bad_option_values_name_the_value(name, value, rng):
     case = make_case(rng, lead=(4,), V=50, D=8, L=2)
     with pytest.raises(ValueError) as info:

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import recloss
-from helpers import pallas_calls
+from helpers import assert_close, pallas_calls
+from oracle import softmax_oracle
 from recloss.pallas import strategy as pallas_strategy, tiling
 from recloss import sweep
 from recloss.shard import VocabShard
@@ -201,6 +202,31 @@ def test_reduction_none_random_cotangent_all_options(rng):
                              label_smoothing=0.1, z_loss=1e-2, temperature=0.7, vocab_size=270)
     out, _ = _strategy_vs_cutce(s, rng, (2, 7), 300, 37, cot=True)
     assert out.loss.shape == (2, 7)
+
+
+@pytest.mark.parametrize("chip,block_n", [(None, 8), ("v5p", 8), ("v5p", None)])
+def test_logit_soft_cap_in_the_kernels_against_the_oracle(rng, chip, block_n):
+    # The grid caps each sub-tile's logits (before τ) in both kernels and multiplies the recompute's
+    # G by the slope: 30 rows in 4 row chunks or one tile, 3 vocab blocks (the last partial), columns
+    # >= 263 dead, on v5p the 2-core split; logits ≈ N(0, 9) against a cap of 1.5.
+    opts = dict(block_n=block_n, block_v=128, vocab_size=263, logit_soft_cap=1.5, temperature=0.7, z_loss=1e-2)
+    _compare_plans(rng, 30, 300, 37, recloss.LossOptions(**opts), vocab_size=263, chip=chip)
+    h = jnp.asarray(rng.normal(size=(30, 37)), jnp.float32)
+    e = jnp.asarray(rng.normal(size=(300, 37)) * (3.0 / np.sqrt(37)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(300,)), jnp.float32)
+    t = jnp.asarray(rng.integers(-1, 300, size=(30, 4)), jnp.int32).at[:, 1].set(7)   # 7: a repeated target
+    s = CutCEPallas(recloss.LossOptions(**opts), chip=chip)
+
+    def f(h, e, b):
+        out = s(h, e, t, None, b)
+        return out.loss, out
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(h, e, b)
+    ref = softmax_oracle(h, e, t, None, b, **opts)
+    assert_close(out.loss, ref.loss, 1e-5, "loss")
+    for name, g in zip(("hidden", "table", "bias"), grads):
+        assert_close(g, ref.grads[name], 1e-4, f"d/d{name}")
+    np.testing.assert_allclose(float(out.metrics["mean_lse"]), ref.metrics["mean_lse"], rtol=1e-5)
+    assert not np.any(np.asarray(grads[1][263:])) and not np.any(np.asarray(grads[2][263:]))
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 The dense, target-free background of every position,
 
-    bg_i = Σ_v [ (ε/2)·P(x_iv) + (1 − ε/2)·Q(x_iv) ],   x_iv = a_i·e_v + b_v,
+    bg_i = Σ_v [ (ε/2)·P(x_iv) + (1 − ε/2)·Q(x_iv) ],   x_iv = a_i·e_v + b_v
+                                                          (c·tanh(x_iv/c) with logit_soft_cap c),
 
 is computed by walking the vocabulary in blocks of ``block_v`` rows of the
 table (lax.scan), each block in row tiles of ``block_n``, never holding more
@@ -18,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from recloss import sweep as sweep_lib
+from recloss import softcap, sweep as sweep_lib
 from recloss.bce.bernoulli import background_coefficients, bernoulli_parts
 
 _MODES = {"loss": (True, False), "fused": (True, True), "grad": (False, True)}   # (want_loss, want_grad)
@@ -61,6 +62,7 @@ def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *,
         x = jnp.dot(a_s, e_j.T, preferred_element_type=jnp.float32)
         if b_j is not None:
             x = x + b_j.astype(jnp.float32)[None, :]
+        x, slope = softcap.capped(x, opts.logit_soft_cap, grad=want_grad)
         terms, dval = parts(x, opts, cp, cq, grad=want_grad)
         row_out, block_out = {}, {}
         if want_loss:
@@ -72,6 +74,8 @@ def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *,
                 row_out["pred"] = jnp.sum(hit if live is None else hit & live, axis=-1, dtype=jnp.float32)
         if want_grad:
             g = dval * rows_s["r"][:, None]
+            if slope is not None:
+                g = g * slope
             if live is not None:
                 g = jnp.where(live, g, 0.0)
             gc = g.astype(cdt)

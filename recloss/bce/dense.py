@@ -9,14 +9,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from recloss import targets as targets_lib
+from recloss import softcap, targets as targets_lib
 from recloss.bce.bernoulli import elementwise_loss
 from recloss.options import LossOptions
 
 
 def dense_bce(hidden, table, bias, targets, row_weights, opts: LossOptions, *, vocab_offset=0,
               vocab_size: int):
-    """Dense baseline on one shard: logits [M, V_local] and a multi-hot label matrix.
+    """Dense baseline on one shard: logits [M, V_local] (soft-capped with ``logit_soft_cap``) and
+    a multi-hot label matrix.
 
     Args:
       hidden: [M, D]; table: [V_local, D]; bias: [V_local] or None;
@@ -30,6 +31,7 @@ def dense_bce(hidden, table, bias, targets, row_weights, opts: LossOptions, *, v
     logits = jnp.dot(hidden, table.T, preferred_element_type=jnp.float32)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)[None, :]
+    logits = softcap.soft_cap(logits, opts.logit_soft_cap)
     ids, valid = targets_lib.local_targets(targets, opts.pad_id, vocab_offset, v_local, vocab_size)
     rows = jnp.broadcast_to(jnp.arange(m)[:, None], ids.shape)
     labels = jnp.zeros((m, v_local), jnp.float32).at[rows, jnp.where(valid, ids, v_local)].set(

@@ -4,10 +4,10 @@ The background of rows a_i [M, D] against a table shard E [V_local, D],
 
     bg_i = Σ_v [ cp·P(x_iv) + cq·Q(x_iv) ],   x_iv = a_i·e_v + b_v,   (cp, cq) = background_coefficients,
 
-is computed by one `pallas_call` per row chunk whose grid is
-``(cores, vocab blocks per core)``: the row tile A [bn, D] and the
-accumulators dA [bn, D], bg, counts stay resident in VMEM while the grid
-walks vocab blocks E_j [bv, D] ('arbitrary' axis). Each step runs an inner
+(x_iv becomes c·tanh(x_iv/c) with logit_soft_cap c: the grid applies it) is computed by
+one `pallas_call` per row chunk whose grid is ``(cores, vocab blocks per core)``: the row
+tile A [bn, D] and the accumulators dA [bn, D], bg, counts stay resident in VMEM while the
+grid walks vocab blocks E_j [bv, D] ('arbitrary' axis). Each step runs an inner
 loop over row sub-tiles of ``bs`` rows:
 
     X = A_s E_jᵀ (+ b_j)                  f32 accumulation on the MXU
@@ -74,7 +74,7 @@ def _spec(mode: str, opts: LossOptions) -> grid.Spec:
     row_out = ([grid.RowOut("bg")] if loss else []) + ([grid.RowOut("cnt")] if count else [])
     return grid.Spec(f"cutbce_{mode}", grad, tuple(row_out), tile,
                      flops={"fused": 6, "loss": 2, "grad": 6}[mode],
-                     transcendentals=_transcendentals(opts, grad))
+                     transcendentals=_transcendentals(opts, grad), soft_cap=opts.logit_soft_cap)
 
 
 def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:

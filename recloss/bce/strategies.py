@@ -11,13 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from recloss import metrics as metrics_lib, sweep
+from recloss import metrics as metrics_lib, softcap, sweep
 from recloss.bce import bernoulli, cut, dense, kernel
 from recloss.pallas.strategy import PallasStrategy
 from recloss.strategy import BLOCK_OPTIONS, COMMON_OPTIONS, BlockedStrategy, Strategy
 
 
-BCE_OPTIONS = ("label_smoothing", "vocab_reduction", "pos_weight", "focal_gamma", "focal_alpha", "threshold")
+BCE_OPTIONS = ("label_smoothing", "vocab_reduction", "pos_weight", "focal_gamma", "focal_alpha", "threshold",
+               "logit_soft_cap")
 
 
 class BCEStrategy(Strategy):
@@ -84,7 +85,7 @@ class CutBCE(BlockedStrategy, BCEStrategy):
         if scalar and plan.walks:
             loss, (predicted, x) = sweep.sweep_total(hidden, shard, row_scale, plan, sweep.Sparse(ids, valid))
         else:
-            x = shard.gather_logits(hidden, ids, valid)
+            x = softcap.soft_cap(shard.gather_logits(hidden, ids, valid), opts.logit_soft_cap)
             corr = bernoulli.correction(x, valid, opts)
             if scalar:
                 bg, predicted = sweep.sweep_total(hidden, shard, row_scale, plan)

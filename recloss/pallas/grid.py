@@ -16,9 +16,10 @@
   unspecified memory), computes ``live`` [1, bv] (columns before V_local and at
   global ids < vocab_size, from iota and the prefetched vocab offset) when
   columns need masking, and runs an inner loop over row sub-tiles of ``bs`` rows:
-  ``X = A_s E_jᵀ (+ b_j)`` on the MXU in f32, then the objective's ``tile``
-  callback with a `Step`; `Step.grad` adds ``G E_j`` to dA, ``Gᵀ A_s`` to dE_j
-  and ``Σ_rows G`` to db_j (dE_j, db_j written once per block);
+  ``X = A_s E_jᵀ (+ b_j)`` on the MXU in f32 (then c·tanh(X/c) for a `Spec` with a
+  ``soft_cap`` c), then the objective's ``tile`` callback with a `Step`; `Step.grad`
+  adds ``G E_j`` to dA, ``Gᵀ A_s`` to dE_j and ``Σ_rows G`` to db_j (G times the cap's
+  slope 1 − tanh²(X/c) first; dE_j, db_j written once per block);
 * when the rows do not fit one resident tile, a `lax.scan` over row chunks
   accumulates dE/db in HBM (f32, aliased in place: ``input_output_aliases``).
 
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from recloss import softcap
 from recloss._compat import tpu_compiler_params
 from recloss.pallas import tiling
 
@@ -69,7 +71,8 @@ class Spec(NamedTuple):
     row_out: Sequence[RowOut]   # per-core lane accumulators, in output order
     tile: Callable              # tile(step: Step) for one [bs, bv] sub-tile
     flops: int                  # flops per (row, column, padded D lane): 2 per matmul
-    transcendentals: int        # per (row, column)
+    transcendentals: int        # per (row, column), without the soft cap's tanh
+    soft_cap: Optional[float] = None   # `LossOptions.logit_soft_cap`: the tile sees c·tanh(X/c)
 
 
 class Step:
@@ -78,18 +81,20 @@ class Step:
     Attributes: ref (refs by name: 'a', 'e', 'b', the row inputs, the `RowOut`
     names, 'da', 'de', 'db'), rows (the sub-tile's row slice of every resident
     [bn, ·] ref), a [bs, Dp] and e [bv, Dp] (compute dtype, E_j's rows past
-    V_local zeroed), x [bs, bv] f32 (A_s E_jᵀ + b_j),
+    V_local zeroed), x [bs, bv] f32 (A_s E_jᵀ + b_j, soft-capped when the spec has a
+    ``soft_cap``), slope [bs, bv] f32 (the cap's dx/d(A_s E_jᵀ + b_j) in gradient specs, else None),
     live [1, bv] bool or None (all columns live), block (global vocab block
     index), off_ref (the prefetched [1] int32 vocab offset).
     """
 
-    def __init__(self, ref, rows, a, e, x, live, block, off_ref, grad):
+    def __init__(self, ref, rows, a, e, x, live, block, off_ref, grad, slope=None):
         self.ref, self.rows, self.a, self.e, self.x, self.live = ref, rows, a, e, x, live
-        self.block, self.off_ref = block, off_ref
+        self.block, self.off_ref, self.slope = block, off_ref, slope
         self._grad = grad
 
     def grad(self, g):
-        """dA_s += G E_j, dE_j += Gᵀ A_s, db_j += Σ_rows G for G [bs, bv] f32 (dead columns zeroed)."""
+        """dA_s += G E_j, dE_j += Gᵀ A_s, db_j += Σ_rows G for G [bs, bv] f32 = ∂ℓ/∂x (dead columns
+        zeroed; times `slope`, the chain through the soft cap, when there is one)."""
         self._grad(self, g)
 
 
@@ -155,6 +160,8 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
 
     def add_grad(step, gr):
         ref = step.ref
+        if step.slope is not None:
+            gr = gr * step.slope
         if step.live is not None:
             gr = jnp.where(step.live, gr, 0.0)
         gc = gr.astype(g.cdt)
@@ -202,7 +209,8 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
                                         preferred_element_type=jnp.float32)
                 if bias is not None:
                     x = x + bias
-                spec.tile(Step(ref, rows, a_s, e_blk, x, live, jg, off_ref, add_grad))
+                x, slope = softcap.capped(x, spec.soft_cap, grad=grad)
+                spec.tile(Step(ref, rows, a_s, e_blk, x, live, jg, off_ref, add_grad, slope))
                 return carry
 
             jax.lax.fori_loop(0, nsub, sub_tile, 0)
@@ -226,8 +234,9 @@ def _cost(spec: Spec, t: tiling.Tiling, a, e, *, outputs, rows_in: int, has_bias
     out_bytes = sum(int(o.size) * jnp.dtype(o.dtype).itemsize for _, o, _ in outputs)
     in_bytes = bn * dp * a_bytes + v_local * dp * e_bytes + (v_local * 4 if has_bias else 0)
     in_bytes += bn * 4 * rows_in + (v_local * (dp + 1) * 4 if accumulate else 0)
+    tanh = 0 if spec.soft_cap is None else 1
     return pl.CostEstimate(flops=int(spec.flops * bn * v_local * dp),
-                           transcendentals=int(spec.transcendentals * bn * v_local),
+                           transcendentals=int((spec.transcendentals + tanh) * bn * v_local),
                            bytes_accessed=int(in_bytes + out_bytes))
 
 

@@ -1,26 +1,30 @@
 """Blocked pure-JAX sweeps of the softmax log-partition (the `cutce` sweep), on `recloss.sweep.blocked`.
 
+Logits x = cap(a·e + b)/τ, cap(y) = c·tanh(y/c) with logit_soft_cap c (else y).
 'loss' mode: per row a running (max, Σ exp(x − max)) over vocab blocks, and the
 running argmax for the metrics: lse [M] = log Σ_v exp(x_v) over the shard's live
 columns (−inf when it has none), 2·M·V·D flops.
 'grad' mode (the recompute of `recloss.sweep.sweep_rows`): with the forward's
-lse and the cotangent r, G = r·exp(x − lse)/τ per tile, then dA = G E, dE_j = Gᵀ A,
-db_j = Σ_rows G: 6·M·V·D flops (the logits again, dA, dE). Nothing of size M·V exists at any time.
+lse and the cotangent r, G = r·exp(x − lse)/τ per tile (times the cap's slope with a cap),
+then dA = G E, dE_j = Gᵀ A, db_j = Σ_rows G: 6·M·V·D flops (the logits again, dA, dE). Nothing
+of size M·V exists at any time.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from recloss import sweep as sweep_lib
+from recloss import softcap, sweep as sweep_lib
 from recloss.softmax import partition
 
 
-def _logits(a_s, e_j, b_j, inv_t):
+def _logits(a_s, e_j, b_j, inv_t, cap, *, grad=False):
+    """(x [rows, bv] f32 = cap(a_s·e_jᵀ + b_j)·inv_t, the cap's slope or None): see `softcap.capped`."""
     x = jnp.dot(a_s, e_j.T, preferred_element_type=jnp.float32)
     if b_j is not None:
         x = x + b_j.astype(jnp.float32)[None, :]
-    return x if inv_t == 1.0 else x * inv_t
+    x, slope = softcap.capped(x, cap, grad=grad)
+    return (x if inv_t == 1.0 else x * inv_t), slope
 
 
 def lse_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
@@ -30,7 +34,7 @@ def lse_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_li
     argmax = p.opts.compute_metrics
 
     def tile(a_s, rows_s, e_j, b_j, live, col0):
-        xm = partition.masked(_logits(a_s, e_j, b_j, inv_t), live)
+        xm = partition.masked(_logits(a_s, e_j, b_j, inv_t, p.opts.logit_soft_cap)[0], live)
         m, s = partition.tile_lse(xm, live)
         out = {"m": m, "s": s}
         if argmax:
@@ -65,8 +69,10 @@ def grad_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_l
     cdt = jnp.promote_types(a.dtype, e.dtype)
 
     def tile(a_s, rows_s, e_j, b_j, live, col0):
-        x = _logits(a_s, e_j, b_j, inv_t)
+        x, slope = _logits(a_s, e_j, b_j, inv_t, p.opts.logit_soft_cap, grad=True)
         g = jnp.exp(x - rows_s["lse"][:, None]) * (rows_s["r"] * inv_t)[:, None]
+        if slope is not None:
+            g = g * slope
         if live is not None:
             g = jnp.where(live, g, 0.0)
         gc = g.astype(cdt)

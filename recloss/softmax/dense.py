@@ -5,19 +5,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from recloss import softcap
 from recloss.softmax import partition
 
 
-def dense_lse(hidden, table, bias, *, temperature: float, vocab_offset, vocab_size: int, argmax: bool):
-    """One shard's log-partition from dense logits.
+def dense_lse(hidden, table, bias, *, temperature: float, vocab_offset, vocab_size: int, argmax: bool,
+              soft_cap=None):
+    """One shard's log-partition from dense logits x = cap(hidden·tableᵀ + bias)/τ.
 
     Args: hidden [M, D], table [V_local, D], bias [V_local] or None; vocab_offset:
-    global id of table row 0; vocab_size: the real V (later columns are dead).
+    global id of table row 0; vocab_size: the real V (later columns are dead); soft_cap: c of
+    cap(y) = c·tanh(y/c), or None (no cap).
     Returns: (lse [M] f32, differentiable; (row max [M], argmax global id [M] int32) or None).
     """
     x = jnp.dot(hidden, table.T, preferred_element_type=jnp.float32)
     if bias is not None:
         x = x + bias.astype(jnp.float32)[None, :]
+    x = softcap.soft_cap(x, soft_cap)
     if temperature != 1.0:
         x = x * (1.0 / temperature)
     cols = jnp.arange(table.shape[0]) + vocab_offset

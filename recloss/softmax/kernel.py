@@ -1,7 +1,8 @@
 """Mosaic-TPU Pallas kernels for the softmax log-partition (the `cutce_pallas` plan).
 
 For rows a_i [M, D] against a table shard E [V_local, D] with logits
-x_iv = (a_i·e_v + b_v)/τ, the plan honours `recloss.softmax.cut.SWEEPS`:
+x_iv = (a_i·e_v + b_v)/τ (cap(a_i·e_v + b_v)/τ with cap(y) = c·tanh(y/c) for logit_soft_cap c,
+applied by the grid), the plan honours `recloss.softmax.cut.SWEEPS`:
 
 'loss' (2·M·V·D flops): lse_i = log Σ_{live v} exp(x_iv) (−inf for a row with
 no live column) and, with compute_metrics, the row max and its global id
@@ -89,7 +90,8 @@ def _loss_spec(opts: LossOptions, bv: int) -> grid.Spec:
     row_out = [grid.RowOut("m", jnp.float32, neg), grid.RowOut("s")]
     if argmax:
         row_out.append(grid.RowOut("id", jnp.int32, 0))
-    return grid.Spec("cutce_loss", False, tuple(row_out), tile, flops=2, transcendentals=1)
+    return grid.Spec("cutce_loss", False, tuple(row_out), tile, flops=2, transcendentals=1,
+                     soft_cap=opts.logit_soft_cap)
 
 
 def lse_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
@@ -117,7 +119,7 @@ def _grad_spec(opts: LossOptions) -> grid.Spec:
         x = st.x if inv_t == 1.0 else st.x * inv_t
         st.grad(jnp.exp(x - ref["lse"][rows, :]) * ref["r"][rows, :])
 
-    return grid.Spec("cutce_grad", True, (), tile, flops=6, transcendentals=1)
+    return grid.Spec("cutce_grad", True, (), tile, flops=6, transcendentals=1, soft_cap=opts.logit_soft_cap)
 
 
 def grad_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:

@@ -13,17 +13,18 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from recloss import metrics as metrics_lib, sweep, targets as targets_lib
+from recloss import metrics as metrics_lib, softcap, sweep, targets as targets_lib
 from recloss.pallas.strategy import PallasStrategy
 from recloss.softmax import cut, dense, kernel, partition
 from recloss.strategy import BLOCK_OPTIONS, COMMON_OPTIONS, BlockedStrategy, Strategy
 
-SOFTMAX_OPTIONS = ("label_smoothing", "z_loss", "temperature")
+SOFTMAX_OPTIONS = ("label_smoothing", "z_loss", "temperature", "logit_soft_cap")
 
 
 class TargetTerms(NamedTuple):
     """`SoftmaxStrategy.target_terms`: gids, gvalid [M, L] (the valid global targets), k [M] f32
-    (|T| per row), target_sum [M] f32 (Σ_{t ∈ T} x_t/τ, summed over the vocab shards)."""
+    (|T| per row), target_sum [M] f32 (Σ_{t ∈ T} x_t/τ, summed over the vocab shards; x_t soft-capped
+    with logit_soft_cap)."""
     gids: Any
     gvalid: Any
     k: Any
@@ -40,6 +41,16 @@ class SoftmaxStrategy(Strategy):
     entry_point = "recloss.softmax_loss"
     options_supported = COMMON_OPTIONS + SOFTMAX_OPTIONS
 
+    def __init__(self, options):
+        """As `Strategy`; also refuses label_smoothing with logit_soft_cap, naming both (the ε/V·Σ_v x_v
+        term is `VocabShard.column_sum`, linear in the logits)."""
+        super().__init__(options)
+        if options.logit_soft_cap is not None and options.label_smoothing:
+            raise ValueError(
+                f"strategy {self.name!r} (softmax objective) does not take label_smoothing="
+                f"{options.label_smoothing!r} together with logit_soft_cap={options.logit_soft_cap!r}: its "
+                "ε/V·Σ_v x_v term is one column sum of the uncapped logits; set one of them to its default")
+
     def row_weights(self, targets, w, *, vocab_size):
         return targets_lib.rows_with_targets(targets, w, self.options.pad_id, vocab_size)
 
@@ -50,7 +61,7 @@ class SoftmaxStrategy(Strategy):
         gids, gvalid = targets_lib.valid_targets(targets, opts.pad_id, shard.vocab_size)
         k = jnp.sum(gvalid, axis=-1, dtype=jnp.float32)            # |T| per row, over the whole vocab
         ids, valid = shard.local_targets(targets, opts.pad_id)
-        xt = shard.gather_logits(hidden, ids, valid)
+        xt = softcap.soft_cap(shard.gather_logits(hidden, ids, valid), opts.logit_soft_cap)
         if opts.temperature != 1.0:
             xt = xt * (1.0 / opts.temperature)
         target_sum = shard.vocab_sum(jnp.sum(jnp.where(valid, xt, 0.0), axis=-1))
@@ -85,12 +96,16 @@ class SoftmaxStrategy(Strategy):
 
     def metrics(self, counts, w, *, invalid, weight_sum, shard):
         """num_targets (Σ|T|), invalid_targets, weight_sum (of positions with targets) and, with
-        compute_metrics, top1 (Σ w·[argmax ∈ T]) and mean_lse (Σ w·Z / Σ w)."""
+        compute_metrics, top1 (Σ w·[argmax ∈ T]), mean_lse (Σ w·Z / Σ w) and, when z_loss λ > 0,
+        z_loss (Σ w·λ·Z²: the z-loss part of the 'sum'-reduced loss, from the same Z)."""
         out = metrics_lib.top1_metrics(counts, w, invalid=invalid, weight_sum=weight_sum,
                                        psum_batch=shard.batch_sum)
         if "lse" in counts:
             out["mean_lse"] = shard.batch_sum(jnp.sum(w * counts["lse"])) / jnp.where(weight_sum > 0,
                                                                                      weight_sum, 1.0)
+            if self.options.z_loss:
+                z = counts["lse"]
+                out["z_loss"] = shard.batch_sum(jnp.sum(w * (self.options.z_loss * z * z)))
         return out
 
 
@@ -105,7 +120,7 @@ class DenseCE(SoftmaxStrategy):
         terms = self.target_terms(hidden, targets, shard)
         lse = dense.dense_lse(hidden, shard.table, shard.bias, temperature=self.options.temperature,
                               vocab_offset=shard.offset, vocab_size=shard.vocab_size,
-                              argmax=self.options.compute_metrics)
+                              argmax=self.options.compute_metrics, soft_cap=self.options.logit_soft_cap)
         return self.cross_entropy(hidden, row_scale, shard, terms, lse)
 
 

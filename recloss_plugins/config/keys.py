@@ -90,7 +90,8 @@ SCHEMA = {
     # The strategy is checked against recloss.available_strategies() at load time, and the option
     # values by recloss.LossOptions; an option the strategy's objective does not take must keep its
     # default (BCE: vocab_reduction, pos_weight, focal_*, loss_threshold; softmax: z_loss, temperature;
-    # sampled: num_negatives, in_batch_negatives, remove_accidental_hits, gbce_t).
+    # BCE and softmax: logit_soft_cap; sampled: num_negatives, in_batch_negatives, remove_accidental_hits,
+    # gbce_t).
     "loss": Key(str),
     "loss_block_v": _nonneg_int("an int >= 0 (0 = chosen by the strategy)"),
     "loss_block_n": _nonneg_int("an int >= 0 (0 = chosen by the strategy)"),
@@ -103,6 +104,7 @@ SCHEMA = {
     "loss_threshold": Key(float),
     "z_loss": Key(float),
     "temperature": Key(float),
+    "logit_soft_cap": Key(float, optional=True),
     "num_negatives": _pos_int(),
     "in_batch_negatives": Key(bool),
     "remove_accidental_hits": Key(bool),

@@ -7,7 +7,7 @@ line there; a plugin then passes it on once its own schema declares the key's
 type (`keys.SCHEMA` and configs/base.yml for the trainer, `maxtext.config.FIELDS`).
 
 Which options a strategy takes depends on its objective (BCE: vocab_reduction,
-pos_weight, focal_*, threshold; softmax: z_loss, temperature; sampled: num_negatives,
+pos_weight, focal_*, threshold; softmax: z_loss, temperature; both: logit_soft_cap; sampled: num_negatives,
 remove_accidental_hits, temperature, in_batch_negatives for sampled_softmax, gbce_t for gbce).
 `check_strategy_options` names the config key of an option set, to a value
 other than its default, for a strategy that does not take it.
@@ -54,6 +54,7 @@ LOSS_OPTION_KEYS = {
     "loss_threshold": LossKey("threshold"),
     "z_loss": LossKey("z_loss"),
     "temperature": LossKey("temperature"),
+    "logit_soft_cap": LossKey("logit_soft_cap"),
     "num_negatives": LossKey("num_negatives"),
     "in_batch_negatives": LossKey("in_batch_negatives"),
     "remove_accidental_hits": LossKey("remove_accidental_hits"),

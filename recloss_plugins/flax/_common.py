@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 import recloss
+from recloss import softcap
 
 
 def check_layout(layout):
@@ -104,15 +105,18 @@ def cast(x, dtype):
 
 
 def dense_scores(hidden, table, bias, options: recloss.LossOptions):
-    """The loss's logits ``(hidden · tableᵀ + bias) / temperature`` over the real catalogue: [..., V] float32.
+    """The loss's logits ``cap(hidden · tableᵀ + bias) / temperature`` over the real catalogue: [..., V]
+    float32, cap(x) = c·tanh(x/c) with ``logit_soft_cap`` c (else x).
 
     Builds the full [..., V] array: for inference over small catalogues only.
     Rows past ``options.vocab_size`` (padding) are dropped; ``temperature`` is 1
-    unless a softmax strategy sets it (it never changes the ranking).
+    unless a softmax strategy sets it (neither it nor the cap changes the ranking, though the cap
+    can tie logits it saturates).
     """
     scores = jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
     if bias is not None:
         scores = scores + bias.astype(jnp.float32)
+    scores = softcap.soft_cap(scores, options.logit_soft_cap)
     if options.temperature != 1.0:
         scores = scores / options.temperature
     if options.vocab_size is not None:

@@ -85,18 +85,41 @@ def test_loss_settings_map_config_keys():
     (dict(loss_block_v=-8), r"block_v=-8"),
     (dict(num_vocab_tiling=1), r"num_vocab_tiling=1: .*needs num_vocab_tiling > 1"),
     (dict(z_loss_multiplier=1e-4), r"z_loss_multiplier=0.0001"),
-    (dict(final_logits_soft_cap=30.0), r"final_logits_soft_cap=30.0"),
+    (dict(loss="cutce_palas"), r"'loss'='cutce_palas' is not a recloss strategy.*did you mean 'cutce_pallas'"),
+    (dict(logit_soft_cap=0.0), r"loss config key 'logit_soft_cap'=0.0 is rejected: .*logit_soft_cap=0.0"),
+    (dict(logit_soft_cap=-30.0), r"'logit_soft_cap'=-30.0 is rejected"),
+    (dict(final_logits_soft_cap=-1.0, logits_via_embedding=True), r"final_logits_soft_cap=-1.0: expected"),
+    (dict(final_logits_soft_cap=30.0, logit_soft_cap=20.0, logits_via_embedding=True),
+     r"logit_soft_cap=20.0 and MaxText's final_logits_soft_cap=30.0 both set"),
+    (dict(loss="cutce", label_smoothing=0.1, logit_soft_cap=30.0),
+     r"'cutce' .*label_smoothing=0.1 together with logit_soft_cap=30.0"),
     (dict(loss_vocab_axis="tensor"), r"need loss_batch_axes"),
 ])
 def test_check_supported_errors(overrides, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         rm.check_supported(_config(**overrides))
+    assert "\n" not in str(err.value)      # one line, naming the key and its value
 
 
 def test_check_supported_accepts_defaults():
     rm.check_supported(_config())
     rm.check_supported(_config(loss="cutbce_pallas", final_logits_soft_cap=0.0, loss_batch_axes=["data"],
                                loss_vocab_axis="tensor"))
+
+
+@pytest.mark.parametrize("loss", ["cutbce", "cutce"])
+def test_final_logits_soft_cap_is_the_logit_soft_cap_where_maxtext_applies_it(loss):
+    settings = lambda **kw: rm.loss_settings(_config(loss=loss, **kw))[1].logit_soft_cap
+    # MaxText 0.2.5 caps only the tied-embedding logits (apply_output_head); None and 0 are no cap.
+    assert settings(final_logits_soft_cap=30.0, logits_via_embedding=True) == 30.0
+    assert settings(final_logits_soft_cap=30.0, logits_via_embedding=False) is None
+    assert settings(final_logits_soft_cap=0.0, logits_via_embedding=True) is None
+    assert settings(final_logits_soft_cap=None, logits_via_embedding=True) is None
+    assert settings(logit_soft_cap=20.0) == 20.0          # recloss's own key, tied or not
+    assert settings(logit_soft_cap=30.0, final_logits_soft_cap=30.0, logits_via_embedding=True) == 30.0
+    assert settings(logit_soft_cap=20.0, final_logits_soft_cap=30.0, logits_via_embedding=False) == 20.0
+    rm.check_supported(_config(loss=loss, final_logits_soft_cap=30.0, logits_via_embedding=True))
+    assert "logit_soft_cap" in rm.OPTION_KEYS
 
 
 def test_config_class_on_a_pydantic_base():
@@ -188,12 +211,18 @@ def _batch(rng, b=2, t=6, v=40, num_labels=None):
             "targets_segmentation": jnp.asarray(rng.random((b, t)) < 0.75, jnp.int32)}
 
 
-@pytest.mark.parametrize("tied,num_labels,overrides", [
-    (False, None, dict(loss="cutbce", loss_block_v=16, label_smoothing=0.1)),
-    (True, None, dict(loss="dense_bce", pos_weight=2.0)),
-    (True, 3, dict(loss="cutbce", vocab_reduction="sum", normalize_embedding_logits=False)),
+def _capped(x, cap):
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+@pytest.mark.parametrize("tied,num_labels,overrides,cap", [
+    (False, None, dict(loss="cutbce", loss_block_v=16, label_smoothing=0.1), None),
+    (True, None, dict(loss="dense_bce", pos_weight=2.0), None),
+    (True, 3, dict(loss="cutbce", vocab_reduction="sum", normalize_embedding_logits=False), None),
+    (True, None, dict(loss="cutbce", final_logits_soft_cap=1.0, loss_block_v=16), 1.0),   # MaxText's cap
+    (False, 3, dict(loss="dense_bce", logit_soft_cap=1.5), 1.5),                          # recloss's key
 ])
-def test_vocab_loss_matches_dense_bce_of_the_output_head(rng, tied, num_labels, overrides):
+def test_vocab_loss_matches_dense_bce_of_the_output_head(rng, tied, num_labels, overrides, cap):
     v, d = 40, 8
     cfg = _config(logits_via_embedding=tied, **overrides)
     model = _Model(v, d, nnx.Rngs(int(rng.integers(1 << 30))))
@@ -201,9 +230,10 @@ def test_vocab_loss_matches_dense_bce_of_the_output_head(rng, tied, num_labels, 
     data = _batch(rng, v=v, num_labels=num_labels)
     weights = np.asarray(data["targets_segmentation"] != 0, np.float64)
     _, opts = rm.loss_settings(cfg)
+    assert opts.logit_soft_cap == cap
     metrics = {}
     xent_sum, z = rm.vocab_loss(model, hidden, data, cfg, True, metrics_out=metrics)
-    want = _dense_sum(model.logits(hidden, cfg), data["targets"], weights, opts, v)
+    want = _dense_sum(_capped(model.logits(hidden, cfg), cap), data["targets"], weights, opts, v)
     np.testing.assert_allclose(float(xent_sum), want, rtol=2e-6)
     assert float(z) == 0.0
     assert float(metrics["weight_sum"]) == weights.sum()
@@ -213,7 +243,7 @@ def test_vocab_loss_matches_dense_bce_of_the_output_head(rng, tied, num_labels, 
         return rm.vocab_loss(m, h, data, cfg, True)[0]
 
     def dense(m, h):
-        x = m.logits(h, cfg)
+        x = _capped(m.logits(h, cfg), cap)
         t = data["targets"] if num_labels else data["targets"][..., None]
         y = jnp.zeros(x.shape).at[jnp.arange(2)[:, None, None], jnp.arange(6)[None, :, None], t].set(1.0)
         y = y * (1 - opts.label_smoothing) + opts.label_smoothing / 2
@@ -270,12 +300,14 @@ def _token_ce(x, targets, mask, z_loss=0.0):
 
 
 @pytest.mark.parametrize("loss", SOFTMAX)
-@pytest.mark.parametrize("tied,overrides,z", [
-    (False, dict(loss_block_v=16), 0.0),
-    (True, dict(z_loss_multiplier=1e-3), 1e-3),                    # MaxText's own z-loss key
-    (False, dict(z_loss=1e-3, temperature=0.5, loss_block_v=8), 1e-3),
+@pytest.mark.parametrize("tied,overrides,z,cap", [
+    (False, dict(loss_block_v=16), 0.0, None),
+    (True, dict(z_loss_multiplier=1e-3), 1e-3, None),                    # MaxText's own z-loss key
+    (False, dict(z_loss=1e-3, temperature=0.5, loss_block_v=8), 1e-3, None),
+    (True, dict(z_loss_multiplier=1e-2, final_logits_soft_cap=1.0), 1e-2, 1.0),   # MaxText's cap (tied)
+    (False, dict(final_logits_soft_cap=1.0, logit_soft_cap=1.5, loss_block_v=8), 0.0, 1.5),   # untied: ours only
 ])
-def test_softmax_vocab_loss_is_maxtext_token_cross_entropy(rng, loss, tied, overrides, z):
+def test_softmax_vocab_loss_is_maxtext_token_cross_entropy(rng, loss, tied, overrides, z, cap):
     v, d = 40, 8
     overrides = dict(overrides)   # the parameter's dict is shared by the cases of every strategy
     blocks = _blocks(loss, loss_block_v=overrides.pop("loss_block_v", 0))
@@ -286,17 +318,20 @@ def test_softmax_vocab_loss_is_maxtext_token_cross_entropy(rng, loss, tied, over
     tau = overrides.get("temperature", 1.0)
     name, opts = rm.loss_settings(cfg)
     assert name == loss and opts.z_loss == z and opts.temperature == tau and opts.reduction == "sum"
+    assert opts.logit_soft_cap == cap
 
     def reference(m, h):
-        return _token_ce(m.logits(h, cfg) / tau, data["targets"], data["targets_segmentation"], z)
+        return _token_ce(_capped(m.logits(h, cfg), cap) / tau, data["targets"], data["targets_segmentation"], z)
 
     metrics = {}
     xent_sum, z_sum = rm.vocab_loss(model, hidden, data, cfg, True, metrics_out=metrics)
     np.testing.assert_allclose(float(xent_sum), float(reference(model, hidden)), rtol=2e-6)
-    assert float(z_sum) == 0.0
     mask = np.asarray(data["targets_segmentation"] != 0)
+    # The z-loss part alone, as MaxText's hook returns it: Σ_mask λ·logsumexp(x)².
+    lse = jax.scipy.special.logsumexp(_capped(model.logits(hidden, cfg), cap) / tau, axis=-1)
+    np.testing.assert_allclose(float(z_sum), float(jnp.sum(z * lse ** 2 * mask)), rtol=2e-5, atol=0)
     assert float(metrics["weight_sum"]) == mask.sum() and "tp" not in metrics
-    top = np.argmax(np.asarray(model.logits(hidden, cfg)), -1) == np.asarray(data["targets"])
+    top = np.argmax(np.asarray(_capped(model.logits(hidden, cfg), cap)), -1) == np.asarray(data["targets"])
     assert float(metrics["top1"]) == (top & mask).sum()
 
     g_ours = nnx.jit(nnx.grad(lambda m, h: rm.vocab_loss(m, h, data, cfg, True)[0], argnums=(0, 1)))(model, hidden)
@@ -331,6 +366,30 @@ def test_softmax_loss_fn_is_maxtext_mean_token_cross_entropy(rng, monkeypatch, l
     assert float(jnp.abs(grads.decoder.logits_dense.kernel[...]).sum()) > 0
 
 
+def test_loss_fn_reports_the_z_loss_apart_and_keeps_the_total(rng, monkeypatch):
+    # The hook's second value is Σ w·λ·Z² (MaxText's learning/z_loss, after its normalisation); the
+    # loss is xent_sum / Σ w with λ·Z² inside xent_sum once, as in MaxText's own cross-entropy.
+    monkeypatch.setattr(rm_loss, "train_module", lambda: _fake_train_module())
+    v, d = 40, 8
+    model = _Model(v, d, nnx.Rngs(int(rng.integers(1 << 30))))
+    data = {"inputs": jnp.asarray(rng.integers(0, v, (2, 6)), jnp.int32), **_batch(rng, v=v)}
+    cfg = _config(loss="cutce", z_loss_multiplier=1e-2, loss_block_v=8)
+    loss_value, aux = rm.loss_fn(model, cfg, dict(data), None, None, is_train=True)
+    hidden = model.token_embedder.embedding[...][data["inputs"]]
+    x = model.logits(hidden, cfg)
+    mask = data["targets_segmentation"] != 0
+    w = float(jnp.sum(mask))
+    z_sum = float(jnp.sum(1e-2 * jax.scipy.special.logsumexp(x, axis=-1) ** 2 * mask))
+    np.testing.assert_allclose(float(aux["z_loss"]), z_sum, rtol=2e-5)
+    assert z_sum > 0
+    np.testing.assert_allclose(float(loss_value), float(_token_ce(x, data["targets"], mask, 1e-2)) / (w + EPS),
+                               rtol=2e-6)
+    np.testing.assert_allclose(float(aux["xent_sum"]), float(loss_value) * (w + EPS), rtol=2e-6)
+    np.testing.assert_allclose(float(aux["recloss_metrics"]["z_loss"]), z_sum, rtol=2e-5)
+    _, bce_aux = rm.loss_fn(model, _config(loss="cutbce"), dict(data), None, None, is_train=True)
+    assert float(bce_aux["z_loss"]) == 0.0
+
+
 def test_softmax_config_keys_and_errors():
     assert {"z_loss", "temperature"} <= set(rm.OPTION_KEYS)
     assert rm.loss_settings(_config(loss="cutce", z_loss=1e-4, temperature=2.0)) == \
@@ -350,8 +409,10 @@ def test_softmax_config_keys_and_errors():
             rm.check_supported(_config(loss="cutce", **overrides))
     with pytest.raises(ValueError, match=r"loss config key 'z_loss'=.*strategy 'cutbce'"):
         rm.check_supported(_config(loss="cutbce", z_loss=1e-4))
-    with pytest.raises(ValueError, match=r"final_logits_soft_cap=30.0.*'cutce'"):
-        rm.check_supported(_config(loss="cutce", final_logits_soft_cap=30.0))
+    with pytest.raises(ValueError, match=r"'logit_soft_cap'=30.0 is rejected: strategy 'gbce' \(sampled"):
+        rm.check_supported(_config(loss="gbce", logit_soft_cap=30.0))
+    with pytest.raises(ValueError, match=r"final_logits_soft_cap=30.0: strategy 'gbce' \(sampled objective\)"):
+        rm.check_supported(_config(loss="gbce", final_logits_soft_cap=30.0, logits_via_embedding=True))
 
 
 def test_softmax_config_class_on_a_pydantic_base():
@@ -486,6 +547,26 @@ def test_maxtext_pyconfig_accepts_recloss_keys(maxtext):
             _initialize(maxtext, "num_vocab_tiling=2", bad)
     with pytest.raises(Exception, match="num_vocab_tiling"):
         _initialize(maxtext, "loss=cutbce")  # base.yml has num_vocab_tiling=1
+
+
+def test_maxtext_pyconfig_soft_cap_keys_and_errors(maxtext):
+    cfg = _initialize(maxtext, "num_vocab_tiling=2", "loss=cutce", "logit_soft_cap=30")
+    assert cfg.logit_soft_cap == 30.0 and rm.loss_settings(cfg)[1].logit_soft_cap == 30.0
+    cfg = _initialize(maxtext, "num_vocab_tiling=2", "loss=cutbce", "logits_via_embedding=true",
+                      "final_logits_soft_cap=30.0")
+    assert cfg.logit_soft_cap is None and rm.loss_settings(cfg)[1].logit_soft_cap == 30.0
+    untied = _initialize(maxtext, "num_vocab_tiling=2", "loss=cutce", "final_logits_soft_cap=30.0")
+    assert rm.loss_settings(untied)[1].logit_soft_cap is None     # MaxText caps no logits_dense head
+    for bad, match in (("logit_soft_cap=0", r"loss config key 'logit_soft_cap'=0.0 is rejected"),
+                       ("logit_soft_cap=-2", r"'logit_soft_cap'=-2.0 is rejected"),
+                       ("loss=cutce_palas", r"'loss'='cutce_palas' is not a recloss strategy.*did you mean "
+                                            r"'cutce_pallas'"),
+                       ("num_vocab_tiling=1", r"num_vocab_tiling=1: the recloss loss needs num_vocab_tiling > 1")):
+        with pytest.raises(Exception, match=match):
+            _initialize(maxtext, "num_vocab_tiling=2", "loss=cutce", bad)
+    with pytest.raises(Exception, match=r"logit_soft_cap=20.0 and MaxText's final_logits_soft_cap=30.0"):
+        _initialize(maxtext, "num_vocab_tiling=2", "loss=cutce", "logits_via_embedding=true",
+                    "final_logits_soft_cap=30.0", "logit_soft_cap=20")
     with pytest.raises(Exception, match="loss"):
         maxtext.pyconfig.initialize(["", maxtext.base_yml, *TINY, "loss=cutbce"])  # MaxText's own class
 
@@ -539,12 +620,16 @@ def test_maxtext_loss_and_grads_match_bce_of_maxtext_logits(maxtext, rng, overri
 @pytest.mark.parametrize("overrides", [
     ("loss=cutce", "loss_block_v=16"),
     ("loss=cutce", "z_loss_multiplier=1e-4", "logits_via_embedding=true"),
+    # MaxText's soft cap where it applies it (the tied head), and where it does not (logits_dense).
+    ("loss=cutce", "z_loss_multiplier=1e-2", "logits_via_embedding=true", "final_logits_soft_cap=0.5"),
+    ("loss=cutce", "final_logits_soft_cap=0.5", "loss_block_v=16"),
 ] + [(f"loss={name}",) for name in SOFTMAX if name not in ("cutce", "dense_ce")])
 def test_maxtext_softmax_loss_and_grads_match_maxtext_own_cross_entropy(maxtext, rng, overrides):
     # MaxText's own loss_fn (its vocab-tiling hook builds [chunk, V] logits) against the recloss one.
     train = pytest.importorskip("maxtext.trainers.pre_train.train")
     cfg = _initialize(maxtext, "num_vocab_tiling=2", *overrides)
-    model = maxtext.create(cfg, rngs=nnx.Rngs(params=int(rng.integers(1 << 30)), dropout=1))
+    seed = int(rng.integers(1 << 30))
+    model = maxtext.create(cfg, rngs=nnx.Rngs(params=seed, dropout=1))
     b, t, v = cfg.global_batch_size_to_train_on, cfg.max_target_length, cfg.vocab_size
     data = {"inputs": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
             "inputs_position": jnp.asarray(np.broadcast_to(np.arange(t), (b, t)), jnp.int32),
@@ -552,9 +637,19 @@ def test_maxtext_softmax_loss_and_grads_match_maxtext_own_cross_entropy(maxtext,
             "targets": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
             "targets_segmentation": jnp.asarray(rng.random((b, t)) < 0.8, jnp.int32)}
     own = rm_loss.original_loss_fn(train)
-    loss, grads = nnx.jit(nnx.value_and_grad(lambda m: rm.loss_fn(m, cfg, dict(data), None, None)[0]))(model)
-    want, want_grads = nnx.jit(nnx.value_and_grad(lambda m: own(m, cfg, dict(data), None, None)[0]))(model)
+    (loss, aux), grads = nnx.jit(nnx.value_and_grad(lambda m: rm.loss_fn(m, cfg, dict(data), None, None),
+                                                    has_aux=True))(model)
+    (want, want_aux), want_grads = nnx.jit(nnx.value_and_grad(lambda m: own(m, cfg, dict(data), None, None),
+                                                              has_aux=True))(model)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    # learning/z_loss: MaxText's normalised z-loss part, non-zero with z_loss_multiplier; not in the total twice.
+    np.testing.assert_allclose(float(aux["z_loss"]), float(want_aux["z_loss"]), rtol=1e-5, atol=1e-12)
+    assert (float(aux["z_loss"]) > 0) == (cfg.z_loss_multiplier > 0)
+    if rm.maxtext_soft_cap(cfg) is not None:    # the cap changes MaxText's own loss here: a real check
+        cfg0 = _initialize(maxtext, "num_vocab_tiling=2", *[o for o in overrides if "soft_cap" not in o])
+        model0 = maxtext.create(cfg0, rngs=nnx.Rngs(params=seed, dropout=1))     # the same parameters
+        uncapped = own(model0, cfg0, dict(data), None, None)[0]
+        assert abs(float(uncapped) - float(want)) > 1e-3 * abs(float(want)), (float(uncapped), float(want))
     got_leaves = jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param))
     want_leaves = jax.tree_util.tree_leaves_with_path(nnx.state(want_grads, nnx.Param))
     assert len(got_leaves) == len(want_leaves) > 0

@@ -1,4 +1,5 @@
-"""The Python 3.12 leg really runs against MaxText: it imports, and its hooks are where the plugin expects.
+"""The Python 3.12 leg really runs against MaxText: it imports, and its hooks (and the soft cap the plugin
+maps) are where the plugin expects.
 
 `make test-py312` sets RECLOSS_REQUIRE_MAXTEXT=1: then a MaxText that does not import is a
 failure, not a skip (without it, on Python 3.11, these tests skip and say why). The
@@ -55,3 +56,19 @@ def test_maxtext_config_class_is_the_base_of_ours(train):
     assert issubclass(cls, maxtext_types.MaxTextConfig) and cls is not maxtext_types.MaxTextConfig
     assert set(rm.FIELDS) <= set(cls.model_fields)
     assert not set(rm.FIELDS) & set(maxtext_types.MaxTextConfig.model_fields)
+
+
+def test_maxtext_soft_caps_only_the_tied_output_head(train):
+    """`maxtext_soft_cap` maps final_logits_soft_cap onto logit_soft_cap only with
+    logits_via_embedding, because MaxText's apply_output_head reads the cap only in that branch."""
+    import ast
+    import textwrap
+
+    from maxtext.layers import nnx_decoders
+    tree = ast.parse(textwrap.dedent(inspect.getsource(nnx_decoders.NNXDecoder.apply_output_head)))
+    branch = next(n for n in ast.walk(tree) if isinstance(n, ast.If) and "logits_via_embedding" in ast.unparse(n.test))
+    reads = lambda nodes: "final_logits_soft_cap" in "".join(ast.unparse(n) for n in nodes)
+    assert reads(branch.body), "MaxText no longer caps the tied head's logits: revisit maxtext_soft_cap"
+    assert not reads(branch.orelse), "MaxText now caps the logits_dense head too: revisit maxtext_soft_cap"
+    rest = [n for n in tree.body[0].body if n is not branch and branch not in list(ast.walk(n))]
+    assert not reads(rest), "MaxText reads final_logits_soft_cap outside the logits_via_embedding branch"

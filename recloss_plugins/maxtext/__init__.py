@@ -24,6 +24,7 @@ from recloss_plugins.maxtext.config import (
     config_class,
     layout_for,
     loss_settings,
+    maxtext_soft_cap,
 )
 from recloss_plugins.maxtext.loss import (
     install,
@@ -46,6 +47,7 @@ __all__ = [
     "loss_fn",
     "loss_from_hidden",
     "loss_settings",
+    "maxtext_soft_cap",
     "output_table",
     "uninstall",
     "vocab_loss",

@@ -28,6 +28,8 @@ Keys (the names of recloss's own trainer config, so one YAML vocabulary serves b
     loss_threshold        BCE only: logit threshold of the TP/FP/FN/TN metrics
     z_loss                softmax only: λ >= 0 of λ·logsumexp² (MaxText's z_loss_multiplier sets it too)
     temperature           softmax only: τ > 0, logits are divided by it
+    logit_soft_cap        c > 0: every logit x becomes c·tanh(x/c), or null (MaxText's final_logits_soft_cap
+                          sets it too, where MaxText applies it: with logits_via_embedding)
     loss_pad_id           target id that marks padding (-1: MaxText masks with targets_segmentation)
     loss_batch_axes       mesh axes the tokens are split over for a shard_map'ed loss; [] = no shard_map
     loss_fsdp_axis        mesh axis the table is additionally stored over (with loss_batch_axes), or null
@@ -37,19 +39,25 @@ An option of the other objective must stay at its default (``loss=cutce
 pos_weight=2`` is an error naming ``pos_weight``). MaxText's own
 ``z_loss_multiplier`` is the softmax strategies' z-loss λ (or set ``z_loss``;
 both set to different values is an error); a BCE strategy has no normaliser
-to penalise, so it needs ``z_loss_multiplier = 0``.
+to penalise, so it needs ``z_loss_multiplier = 0``. MaxText's
+``final_logits_soft_cap`` c > 0 is ``logit_soft_cap`` where MaxText 0.2.5
+applies it, on the tied-embedding logits (``logits_via_embedding``; its
+``logits_dense`` head is never capped, so neither is recloss's unless
+``logit_soft_cap`` is set); ``logit_soft_cap`` set to a different value is an
+error naming both.
 
-Checked at load time (a clear error before any work): the strategy name, every
-option's value, and the MaxText settings the recloss loss needs
-(``num_vocab_tiling > 1`` so the decoder hands back hidden states, the
-z-loss as above, and no ``final_logits_soft_cap``: a tanh cap on logits that
-this loss never builds).
+Checked at load time (a clear error before any work): the strategy name (with
+the closest names), every option's value (``logit_soft_cap`` <= 0 among them),
+the strategy built with them, and the MaxText settings the recloss loss needs
+(``num_vocab_tiling > 1`` so the decoder hands back hidden states, the z-loss
+and the soft cap as above).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Optional, Tuple
 
 import recloss
@@ -84,6 +92,9 @@ FIELDS = {
     "z_loss": Key("float", 0.0, "Softmax strategies: z-loss λ >= 0, adds λ·logsumexp(logits)² per token; "
                   "MaxText's z_loss_multiplier sets it too."),
     "temperature": Key("float", 1.0, "Softmax strategies: temperature τ > 0, the logits are divided by it."),
+    "logit_soft_cap": Key("Optional[float]", None, "Soft cap c > 0 of the recloss loss: every logit x becomes "
+                          "c·tanh(x/c); None = MaxText's final_logits_soft_cap where MaxText applies it (tied "
+                          "embedding logits), else no cap."),
     "loss_interpret": Key("Optional[bool]", None, "Run Pallas strategies in interpret mode; None = "
                           "automatically when not on TPU."),
     "loss_pad_id": Key("int", -1, "Target id that marks padding. MaxText already masks padding with "
@@ -116,20 +127,49 @@ def loss_settings(config) -> Tuple[str, recloss.LossOptions]:
     divides by the token count itself (and skips the division under manual
     gradient accumulation). Missing attributes take the defaults of `FIELDS`.
     For a strategy that takes ``z_loss`` (the softmax ones), MaxText's
-    ``z_loss_multiplier`` is its z-loss λ. Raises ValueError naming the key of
-    an option the strategy does not take, or when ``z_loss`` and
-    ``z_loss_multiplier`` are both set to different values.
+    ``z_loss_multiplier`` is its z-loss λ; MaxText's soft cap as it applies it
+    (`maxtext_soft_cap`) is ``logit_soft_cap``. Raises ValueError naming the key
+    of an option the strategy does not take, or when ``z_loss`` and
+    ``z_loss_multiplier`` (or ``logit_soft_cap`` and ``final_logits_soft_cap``)
+    are both set to different values.
     """
     items = {"loss": _get(config, "loss")}
     items.update({key: _get(config, key) for key in OPTION_KEYS})
     name, options = resolve_config(items)
+    supported = recloss.get_strategy(name).options_supported
     multiplier = getattr(config, "z_loss_multiplier", 0.0) or 0.0
-    if multiplier and "z_loss" in recloss.get_strategy(name).options_supported:
+    if multiplier and "z_loss" in supported:
         if options.z_loss and options.z_loss != multiplier:
             raise ValueError(f"z_loss={options.z_loss} and MaxText's z_loss_multiplier={multiplier} both set "
                              f"the z-loss of strategy {name!r} to different values; keep one")
         options = options.replace(z_loss=float(multiplier))
+    cap = maxtext_soft_cap(config)
+    if cap is not None:
+        if options.logit_soft_cap is not None and options.logit_soft_cap != cap:
+            raise ValueError(f"logit_soft_cap={options.logit_soft_cap} and MaxText's final_logits_soft_cap={cap} "
+                             f"both set the logit soft cap of strategy {name!r} to different values; keep one")
+        if "logit_soft_cap" not in supported:
+            raise ValueError(f"final_logits_soft_cap={cap}: strategy {name!r} "
+                             f"({recloss.get_strategy(name).objective or 'custom'} objective) takes no logit soft "
+                             "cap; unset it or use a BCE or softmax strategy")
+        options = options.replace(logit_soft_cap=cap)
     return name, options.replace(reduction="sum", compute_metrics=True)
+
+
+def maxtext_soft_cap(config) -> Optional[float]:
+    """MaxText's ``final_logits_soft_cap`` c where MaxText applies it, else None.
+
+    MaxText 0.2.5 caps the output head's logits as c·tanh(x/c) only with
+    ``logits_via_embedding`` (``apply_output_head``; the ``logits_dense`` head is
+    never capped), and reads None or 0 as no cap. Raises ValueError naming the
+    key for a negative or non-finite c (MaxText's own schema refuses those too).
+    """
+    cap = getattr(config, "final_logits_soft_cap", None)
+    if cap is None or cap == 0:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"final_logits_soft_cap={cap!r}: expected None, 0 (no cap) or a finite float > 0")
+    return float(cap) if getattr(config, "logits_via_embedding", False) else None
 
 
 def _mesh_axes(config) -> Tuple[Tuple[str, ...], Optional[str], Optional[str]]:
@@ -161,13 +201,14 @@ def layout_for(config, mesh) -> Optional[recloss.MeshLayout]:
 def check_supported(config):
     """Raises ValueError when ``config`` asks for something the recloss MaxText loss cannot do.
 
-    Checks the strategy and options (via `loss_settings`), MaxText's
-    ``num_vocab_tiling`` (> 1, so the decoder returns hidden states instead of
-    logits), ``z_loss_multiplier`` (0 unless the strategy takes a z-loss, as
-    the softmax ones do) and ``final_logits_soft_cap`` (unset), and the mesh
-    axis keys (``loss_fsdp_axis`` / ``loss_vocab_axis`` need ``loss_batch_axes``).
+    Checks the strategy and options (via `loss_settings`, and the strategy built
+    with them), MaxText's ``num_vocab_tiling`` (> 1, so the decoder returns
+    hidden states instead of logits), ``z_loss_multiplier`` (0 unless the
+    strategy takes a z-loss, as the softmax ones do) and the mesh axis keys
+    (``loss_fsdp_axis`` / ``loss_vocab_axis`` need ``loss_batch_axes``).
     """
-    name, _ = loss_settings(config)
+    name, options = loss_settings(config)
+    recloss.get_strategy(name, options)     # combinations a strategy refuses (label_smoothing with a cap)
     tiles = getattr(config, "num_vocab_tiling", None)
     if tiles is not None and tiles <= 1:
         raise ValueError(f"num_vocab_tiling={tiles}: the recloss loss needs num_vocab_tiling > 1 so that "
@@ -181,10 +222,6 @@ def check_supported(config):
         raise ValueError(f"z_loss_multiplier={z}: z-loss penalises the softmax normaliser, which strategy "
                          f"{name!r} ({recloss.get_strategy(name).objective or 'custom'} objective) does not "
                          f"have; set z_loss_multiplier=0, or use a softmax strategy ({softmax})")
-    cap = getattr(config, "final_logits_soft_cap", None)
-    if cap:
-        raise ValueError(f"final_logits_soft_cap={cap}: a soft cap (tanh) on the logits is not supported "
-                         f"by the recloss loss ({name!r}), which never builds the logits; unset it")
     _mesh_axes(config)
 
 

@@ -17,9 +17,12 @@ logits, sows its final hidden states, and ``loss_fn`` hands them to
   ``logsumexp(x) − x[target] + λ·logsumexp(x)²`` with λ = MaxText's
   ``z_loss_multiplier`` (or ``z_loss``), which is MaxText's own token
   cross-entropy (``max_utils.cross_entropy_with_logits``, z-loss included in
-  xent as MaxText includes it), computed without [tokens, V] logits. With a
-  BCE strategy (``loss=cutbce`` ...) ℓ is the full-vocabulary BCE of
-  `recloss.bce_loss`.
+  xent as MaxText includes it), computed without [tokens, V] logits; the
+  z-loss sum Σ w·λ·logsumexp(x)² comes back apart as the hook's second value,
+  as MaxText's own does. x is soft-capped, c·tanh(x/c), with MaxText's
+  ``final_logits_soft_cap`` where MaxText applies it (tied embedding logits)
+  or with ``logit_soft_cap``. With a BCE strategy (``loss=cutbce`` ...) ℓ is
+  the full-vocabulary BCE of `recloss.bce_loss` (z-loss sum 0).
 * `loss_fn`: MaxText's ``loss_fn`` signature. It runs MaxText's own
   ``loss_fn`` (so MoE, MTP and indexer auxiliary losses, gradient-accumulation
   normalisation and the aux dict stay MaxText's) with `vocab_loss` in place of
@@ -35,9 +38,11 @@ case) or [B, T, L] (L ids per token, multi-label; a softmax strategy then
 averages the cross-entropies of a token's targets); ``loss_pad_id`` marks
 padding inside the L ids.
 
-MaxText's separate z-loss sum (``aux['z_loss']``, logged as learning/z_loss)
-stays 0: the softmax strategies add λ·Z² into ``xent_sum`` but do not return
-it apart; ``recloss_metrics['mean_lse']`` is the mean log-partition Z to watch.
+MaxText's separate z-loss (``aux['z_loss']``, logged as learning/z_loss) is
+MaxText's: it divides the hook's z-loss sum (the softmax strategies'
+``metrics['z_loss']``, from the same pass) by the token count and only logs
+it, since λ·Z² is already inside ``xent_sum``; the loss is not changed by it.
+``recloss_metrics['mean_lse']`` is the mean log-partition Z.
 
 Verified against MaxText 0.2.5 (``loss_fn`` and ``vocab_tiling_nnx_loss``
 signatures, the NNX decoder's ``decoder_norm``/``dropout``/``logits_dense``
@@ -114,11 +119,13 @@ def loss_from_hidden(hidden, table, data, config, *, mesh=None):
 
 
 def vocab_loss(model, hidden_states, data, config, is_train, *, metrics_out: Optional[Dict] = None):
-    """Drop-in for MaxText's ``vocab_tiling_nnx_loss``: (Σ_tokens w·ℓ, z-loss sum = 0).
+    """Drop-in for MaxText's ``vocab_tiling_nnx_loss``: (Σ_tokens w·ℓ, Σ_tokens w·λ·Z²), f32 scalars.
 
     ℓ is the configured strategy's (module docstring): for a softmax strategy
-    MaxText's token cross-entropy including its z-loss term, for a BCE one the
-    full-vocabulary BCE. The separate z-loss sum MaxText only logs is 0.
+    MaxText's token cross-entropy including its z-loss term λ·Z², for a BCE one
+    the full-vocabulary BCE. The second value is the z-loss part alone (the
+    strategy's ``metrics['z_loss']``; 0 without a z-loss), which MaxText only
+    logs: it is inside the first already.
 
     Applies the decoder's final norm and dropout to ``hidden_states``
     [B, T, D] (as MaxText's output head does), then the recloss loss against
@@ -140,7 +147,7 @@ def vocab_loss(model, hidden_states, data, config, is_train, *, metrics_out: Opt
     loss_sum, metrics = loss_from_hidden(y, table, data, config, mesh=getattr(model, "mesh", None))
     if metrics_out is not None:
         metrics_out.update(metrics)
-    return loss_sum, jnp.zeros((), jnp.float32)
+    return loss_sum, metrics.get("z_loss", jnp.zeros((), jnp.float32))
 
 
 def train_module():
@@ -170,7 +177,9 @@ def loss_fn(model, config, data, dropout_rng, params, sparsity_state=None, is_tr
 
     loss = Σ w·ℓ / (Σ w + EPS) plus MaxText's auxiliary losses (Σ w·ℓ alone
     under manual gradient accumulation, as MaxText does); aux is MaxText's
-    dict, with ``xent_sum`` = Σ w·ℓ, ``z_loss`` = 0, and ``recloss_metrics``.
+    dict, with ``xent_sum`` = Σ w·ℓ, ``z_loss`` = Σ w·λ·Z² / (Σ w + EPS)
+    (MaxText's normalisation of the hook's z-loss sum; 0 for BCE), and
+    ``recloss_metrics``.
     """
     config_lib.check_supported(config)
     train = train_module()

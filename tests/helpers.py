@@ -269,3 +269,19 @@ def pallas_calls(jaxpr):
             elif hasattr(getattr(p, "jaxpr", None), "eqns"):
                 names += pallas_calls(p.jaxpr)
     return names
+
+
+def count_vocab_loss_calls(monkeypatch):
+    """A list that records the strategy name of every call of the MaxText plugin's vocab_loss (its
+    hook, traced inside MaxText's own steps) while the test runs."""
+    from recloss_plugins.maxtext import loss as rm_loss
+
+    calls = []
+    real = rm_loss.vocab_loss
+
+    def counting(*args, **kwargs):
+        calls.append(args[3].loss)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rm_loss, "vocab_loss", counting)
+    return calls

@@ -364,6 +364,17 @@ def test_oracle_focal_terms_match_textbook_formula(rng):
     np.testing.assert_allclose(q, -(1 - a) * sig ** g * np.log1p(-sig), rtol=1e-10)
 
 
+def _central_differences(f, base, h=1e-6):
+    """∂f/∂base by central differences in float64, one element at a time (f: array -> scalar)."""
+    fd = np.zeros_like(base)
+    for idx in np.ndindex(base.shape):
+        up, dn = base.copy(), base.copy()
+        up[idx] += h
+        dn[idx] -= h
+        fd[idx] = (f(up) - f(dn)) / (2 * h)
+    return fd
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_oracle_gradients_match_finite_differences(reduction, rng):
     """The oracle's analytic gradients are checked against central differences in float64."""
@@ -383,13 +394,7 @@ def test_oracle_gradients_match_finite_differences(reduction, rng):
         return float(np.sum(loss * cot)) if reduction == "none" else loss
 
     for name in ("hidden", "table", "bias", "weights"):
-        base = case[name]
-        fd = np.zeros_like(base)
-        for idx in np.ndindex(base.shape):
-            up, dn = base.copy(), base.copy()
-            up[idx] += 1e-6
-            dn[idx] -= 1e-6
-            fd[idx] = (objective(**{name: up}) - objective(**{name: dn})) / 2e-6
+        fd = _central_differences(lambda x: objective(**{name: x}), case[name])
         np.testing.assert_allclose(ref.grads[name], fd, rtol=1e-5, atol=1e-8, err_msg=name)
     assert np.all(ref.grads["table"][9:] == 0.0) and np.all(ref.grads["bias"][9:] == 0.0)
 
@@ -401,14 +406,7 @@ def test_oracle_soft_cap_gradients_match_finite_differences(rng):
     case = {k: (None if v is None else np.asarray(v, np.float64 if k != "targets" else None)) for k, v in case.items()}
     ref = bce_oracle(**case, **opts)
     for name in ("hidden", "table", "bias"):
-        base = case[name]
-        fd = np.zeros_like(base)
-        for idx in np.ndindex(base.shape):
-            up, dn = base.copy(), base.copy()
-            up[idx] += 1e-6
-            dn[idx] -= 1e-6
-            fd[idx] = (bce_oracle(**{**case, name: up}, **opts).loss
-                       - bce_oracle(**{**case, name: dn}, **opts).loss) / 2e-6
+        fd = _central_differences(lambda x: bce_oracle(**{**case, name: x}, **opts).loss, case[name])
         np.testing.assert_allclose(ref.grads[name], fd, rtol=1e-5, atol=1e-8, err_msg=name)
 
 

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import recloss
-from helpers import strategies
+from helpers import count_vocab_loss_calls, strategies
 from recloss_plugins import maxtext as rm
 from recloss_plugins.maxtext import loss as rm_loss
 
@@ -678,14 +678,7 @@ def test_maxtext_install_replaces_train_loss_fn(maxtext):
 def test_maxtext_training_loop_runs_the_recloss_loss(maxtext, monkeypatch, tmp_path):
     from recloss_plugins.maxtext import train as rm_train
     train = pytest.importorskip("maxtext.trainers.pre_train.train")
-    calls = []
-    real = rm_loss.vocab_loss
-
-    def counting(*args, **kwargs):
-        calls.append(args[3].loss)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(rm_loss, "vocab_loss", counting)
+    calls = count_vocab_loss_calls(monkeypatch)
     original = train.loss_fn
     rm_train.main(["", maxtext.base_yml, *TINY, f"base_output_directory={tmp_path}", "steps=2",
                    "dataset_type=synthetic", "num_vocab_tiling=2", "loss=cutbce", "loss_block_v=16"])

@@ -107,7 +107,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console entry point: ``recloss-maxtext-compile BASE_YML KEY=VALUE ...``."""
     from absl import app
 
-    app.run(lambda args: compile_step(args), argv=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    def run(args):
+        compile_step(args)   # absl exits with main's return value: None is success
+
+    app.run(run, argv=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -53,13 +53,15 @@ from recloss.shard import RingShard, VocabShard
 
 
 def _axes_tuple(name, value) -> Tuple[str, ...]:
+    """``value`` (None, an axis name or a sequence of names) as a tuple; ``name`` says what it is in
+    the error (e.g. 'MeshLayout.batch_axes')."""
     if value is None:
         return ()
     if isinstance(value, str):
         return (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(a, str) for a in value):
         return tuple(value)
-    raise TypeError(f"MeshLayout.{name} must be a mesh axis name, a tuple of names or None, "
+    raise TypeError(f"{name} must be a mesh axis name, a tuple of names or None, "
                     f"got {value!r}")
 
 
@@ -112,7 +114,7 @@ class MeshLayout:
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
             raise TypeError(f"MeshLayout.mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
-        object.__setattr__(self, "batch_axes", _axes_tuple("batch_axes", self.batch_axes))
+        object.__setattr__(self, "batch_axes", _axes_tuple("MeshLayout.batch_axes", self.batch_axes))
         for role in ("fsdp_axis", "vocab_axis"):
             value = getattr(self, role)
             if value is not None and not isinstance(value, str):
@@ -214,7 +216,7 @@ def psum_in_place(x, axes, *, chunk_bytes: int = PSUM_CHUNK_BYTES):
     not in place). For a replicated table's gradient in a hand-written data-parallel step
     (`MeshLayout` ``manual``). Arrays of at most one chunk take the plain psum.
     """
-    axes = _axes_tuple("axes", axes)
+    axes = _axes_tuple("psum_in_place's axes", axes)
     if not axes:
         return x
     if x.ndim == 0:

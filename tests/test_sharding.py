@@ -316,6 +316,8 @@ def test_manual_layout_errors():
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "vocab"))
     with pytest.raises(ValueError, match=r"manual=True\) takes the whole table.*split 4 ways"):
         recloss.MeshLayout(mesh, batch_axes=("data",), fsdp_axis=None, vocab_axis="vocab", manual=True)
+    with pytest.raises(TypeError, match=r"psum_in_place's axes must be a mesh axis name.*got 3"):
+        recloss.psum_in_place(jnp.ones((4, 2)), 3)
     with pytest.raises(TypeError, match="MeshLayout.manual must be True or False, got 'yes'"):
         recloss.MeshLayout(mesh, batch_axes=("data",), fsdp_axis=None, vocab_axis=None, manual="yes")
     layout = recloss.MeshLayout(mesh, batch_axes=("data",), fsdp_axis=None, vocab_axis=None, manual=True)

@@ -255,41 +255,35 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
     if strategy.objective == "sampled":
         sampled["log_q"] = proposal_log_q(cfg, vocab_size, item_counts)
 
-    def loss_fn(params, batch, key, step=None):
-        model = nnx.merge(graphdef, params)
-        hidden = model(batch["inputs"], rng=key)
-        table = model.output_table().astype(cdtype)
-        extra = {} if not sampled else dict(sampled, key=negatives_key(seed, step))
-        out = strategy(hidden, table, batch["targets"], batch["weights"], model.output_bias(), layout=layout,
-                       **extra)
-        return out.loss, out.metrics
-
     manual = _manual_data_parallel(strategy, layout)
+
+    def loss_fn(params, batch, step, *, rng=None, keep=None):
+        """(loss, metrics) of the model on ``batch``: the sharded loss on ``layout``, or, under the
+        step's own shard_map (``manual``), on this device's rows with the tied lookup's gradient
+        written into the loss's dE (`tied_lookup`)."""
+        vectors = None
+        if manual is not None and "out_table" not in params:
+            table, vectors = tied_lookup(params["item_emb"]["embedding"], batch["inputs"])
+            params = dict(params, item_emb=dict(params["item_emb"], embedding=table))
+        model = nnx.merge(graphdef, params)
+        hidden = model(batch["inputs"], rng=rng, keep=keep, item_vectors=vectors)
+        extra = {} if not sampled else dict(sampled, key=negatives_key(seed, step))
+        out = strategy(hidden, model.output_table().astype(cdtype), batch["targets"], batch["weights"],
+                       model.output_bias(), layout=layout if manual is None else manual, **extra)
+        return out.loss, out.metrics
 
     def local_grads(params, batch, keep, step):
         """This device's rows under the step's shard_map over the batch axes: the global loss and
         metrics, and the parameters' gradients summed over the devices in place."""
-        def f(p):
-            xv = None
-            if "out_table" not in p:   # tied: the lookup's gradient goes into the loss's dE
-                table, xv = tied_lookup(p["item_emb"]["embedding"], batch["inputs"])
-                p = dict(p, item_emb=dict(p["item_emb"], embedding=table))
-            model = nnx.merge(graphdef, p)
-            hidden = model(batch["inputs"], keep=keep, item_vectors=xv)
-            extra = {} if not sampled else dict(sampled, key=negatives_key(seed, step))
-            out = strategy(hidden, model.output_table().astype(cdtype), batch["targets"], batch["weights"],
-                           model.output_bias(), layout=manual, **extra)
-            return out.loss, out.metrics
-
-        (loss, mets), grads = jax.value_and_grad(f, has_aux=True)(params)
+        (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, step, keep=keep)
         return loss, mets, jax.tree.map(lambda g: recloss.psum_in_place(g, manual.batch_axes), grads)
 
     def train_step(state, batch):
         key = jax.random.fold_in(wrap_key(state["rng"]), state["step"])
         key = key if cfg.dropout > 0 else None
         if manual is None:
-            (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, key,
-                                                                            state["step"])
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+            (loss, mets), grads = grad_fn(state["params"], batch, state["step"], rng=key)
         else:   # the masks drawn for the whole batch, as the sharded model would, then split
             keep = nnx.merge(graphdef, state["params"]).dropout_keep(key, batch["inputs"].shape)
             keep_spec = None if keep is None else P(None, *layout.batch_spec(3))

@@ -15,7 +15,7 @@ PYTHON312 ?= $(shell for p in "$$(command -v python3.12)" "$$(pyenv root 2>/dev/
 	done)
 STAMP312  := $(VENV312)/.installed
 
-.PHONY: test test-py312 python312 train bench quality clean
+.PHONY: test test-py312 python312 train bench quality docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,9 +51,9 @@ train: $(STAMP)
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)/bin/recloss-bench $(BENCH_ARGS)
 
-# The README's per-chip HBM tables: one record per (jax, libtpu) stack, docs/figures/hbm/jax-<jax>_libtpu-<libtpu>.json,
+# The per-chip HBM tables (README.md's headline, docs/benchmarks.md): one record per (jax, libtpu) stack, docs/figures/hbm/jax-<jax>_libtpu-<libtpu>.json,
 # written by `recloss-bench --topology ... --record docs/figures/hbm` on each leg (minutes of v6e compiles each),
-# then rendered into README.md's marked tables. FIGURE_VENVS=.venv312 re-records one leg;
+# then rendered into README.md's marked block (the docs render theirs at build time). FIGURE_VENVS=.venv312 re-records one leg;
 # tests/test_figures.py checks the README against the records and recompiles a few rows against them.
 .PHONY: figures
 FIGURE_VENVS ?= $(VENV) $(VENV312)
@@ -65,12 +65,18 @@ figures: $(addsuffix /.installed,$(FIGURE_VENVS))
 	done
 	$(PY) -m recloss.bench.figures
 
-# The quality-vs-cost table (README "Sampled objectives"): one recloss-train run per loss on the same
+# The quality-vs-cost table (docs/choosing-a-loss.md): one recloss-train run per loss on the same
 # data, model, steps and seed. DATA=path/to/log.csv runs it on an interactions file instead of the
 # synthetic data; QUALITY_ARGS adds key=value overrides or --hbm (v6e-8 per-chip HBM per row).
 quality: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) -m recloss_plugins.sasrec.quality configs/base.yml \
 	  $(if $(DATA),dataset_type=interactions dataset_path=$(DATA)) $(QUALITY_ARGS)
 
+# The documentation site, offline, warnings as errors (-W -n: broken internal links and references fail).
+# Benchmark tables are filled from docs/figures/ at build time (docs/_ext/recloss_figures.py).
+docs: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m sphinx -W -n --keep-going -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 clean:
-	rm -rf $(VENV) $(VENV312) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV312) .pytest_cache build *.egg-info docs/_build docs/_autosummary

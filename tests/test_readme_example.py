@@ -1,8 +1,8 @@
-"""README examples run as printed: "Add recloss to your Flax trainer" trains, "Sharding" equals one device.
+"""The guides' examples run as printed and do what they say: docs/flax.md's model trains,
+docs/sharding.md's sharded loss and hand-written data-parallel step equal one device.
 
-The Flax section is read from README.md when it has it, else from docs/flax.md
-(where the text lives until it is pasted into the README). The Sharding
-section's block is executed verbatim on the 8 CPU devices of conftest.
+Both blocks are executed verbatim (the sharding ones on the 8 CPU devices of conftest);
+tests/test_docs.py runs every other page's Python blocks.
 """
 
 import contextlib
@@ -25,14 +25,13 @@ def extract_section(text: str, heading: str = HEADING):
     return rest[:nxt.start()] if nxt else rest
 
 
+FLAX_PAGE = ROOT / "docs" / "flax.md"
+SHARDING_PAGE = ROOT / "docs" / "sharding.md"
+
+
 def _section_source():
-    """(path, section) from README.md if it has the heading, else from docs/flax.md."""
-    for path in (ROOT / "README.md", ROOT / "docs" / "flax.md"):
-        if path.exists():
-            section = extract_section(path.read_text(encoding="utf-8"))
-            if section is not None:
-                return path, section
-    raise AssertionError(f"neither README.md nor docs/flax.md has the heading {HEADING!r}")
+    """(path, text) of the Flax guide."""
+    return FLAX_PAGE, FLAX_PAGE.read_text(encoding="utf-8")
 
 
 def python_blocks(section: str):
@@ -67,7 +66,7 @@ def test_flax_example_runs_and_learns():
 
 
 def test_sharding_example_runs_and_equals_one_device():
-    """The "## Sharding" block as printed (a jax.make_mesh mesh, plain arrays, a padded table with
+    """docs/sharding.md's first block as printed (a jax.make_mesh mesh, plain arrays, a padded table with
     vocab_size=V): its loss and gradients equal the single-device loss of the same arrays."""
     import jax
     import jax.numpy as jnp
@@ -75,11 +74,9 @@ def test_sharding_example_runs_and_equals_one_device():
 
     import recloss
 
-    path = ROOT / "README.md"
-    section = extract_section(path.read_text(encoding="utf-8"), SHARDING_HEADING)
-    assert section is not None, f"README.md has no {SHARDING_HEADING!r} section"
-    blocks = python_blocks(section)
-    assert blocks, f"no ```python block after {SHARDING_HEADING!r} in {path}"
+    path = SHARDING_PAGE
+    blocks = python_blocks(path.read_text(encoding="utf-8"))
+    assert blocks, f"no ```python block in {path}"
     ns = {"__name__": "readme_sharding_example"}
     exec(compile(blocks[0], f"{path.name}:{SHARDING_HEADING}", "exec"), ns)  # noqa: S102
     layout, v = ns["layout"], ns["V"]

@@ -1,0 +1,26 @@
+"""Fills each page's ``<!-- figures:NAME stack=STACK -->`` blocks from the record files at build time.
+
+A page commits only the empty block; `recloss.bench.figures.render_readme` renders the table from
+``docs/figures/hbm/STACK.json`` when Sphinx reads the page, so changing a record changes the page.
+"""
+
+import os
+from pathlib import Path
+
+from recloss.bench import figures
+
+# RECLOSS_FIGURES_DIR: render from another records folder (the docs test edits a copy).
+ENV = "RECLOSS_FIGURES_DIR"
+
+
+def _fill(app, docname, source):
+    text = source[0]
+    if "<!-- figures:" not in text:
+        return
+    # Rendered for README.md at the repository root: its links into docs/ are relative to docs/ here.
+    source[0] = figures.render_readme(text, records_dir=Path(os.environ[ENV]) if os.environ.get(ENV) else None).replace("](docs/", "](")
+
+
+def setup(app):
+    app.connect("source-read", _fill)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,119 @@
+"""The documentation site: `make docs`'s build is clean, its figures come from the records, and every
+Python block of the README and the guides runs.
+
+The build is Sphinx with warnings as errors (-W -n), as `make docs` runs it, into a temporary folder.
+A Python block runs in one namespace per page, in page order, after the page's `PRELUDE` (the
+arrays its prose assumes the reader already has); a page whose blocks a dedicated test runs with
+stronger checks is named in `COVERED`.
+"""
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md"] + sorted(DOCS.glob("*.md"))
+COVERED = {"flax.md": "tests/test_readme_example.py::test_flax_example_runs_and_learns",
+           "sharding.md": "tests/test_readme_example.py::test_sharding_example_runs_and_equals_one_device"}
+PRELUDE = {
+    # The sampled example's prose: a model's hidden states, its table, a batch and the training counts.
+    "choosing-a-loss.md": """
+import jax, jax.numpy as jnp, recloss
+V = 2_000
+hidden = jax.random.normal(jax.random.key(0), (2, 16, 32))
+table = jax.random.normal(jax.random.key(1), (V, 32)) * 0.05
+targets = jax.random.randint(jax.random.key(2), (2, 16, 3), -1, V)
+weights = (targets[..., 0] >= 0).astype(jnp.float32)
+train_item_counts = jax.random.randint(jax.random.key(3), (V,), 0, 100)
+step = 7
+""",
+}
+# ```python blocks, at any indentation (a block inside a list item is indented).
+_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+
+
+def python_blocks(text):
+    out = []
+    for m in _BLOCK.finditer(text):
+        indent = len(m.group("indent"))
+        out.append("".join(line[indent:] if line[:indent].strip() == "" else line
+                           for line in m.group("body").splitlines(keepends=True)))
+    return out
+
+
+def test_block_collector_reads_indented_blocks():
+    text = "x\n```python\na = 1\n```\n* item\n\n  ```python\n  b = a + 1\n  ```\n```sh\nls\n```\n"
+    assert python_blocks(text) == ["a = 1\n", "b = a + 1\n"]
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p.read_text(encoding="utf-8"))],
+                         ids=lambda p: p.name)
+def test_every_python_block_runs(page):
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    if page.name in COVERED:
+        # Not skipped: the covering test exists and runs these blocks.
+        path, name = COVERED[page.name].split("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), COVERED[page.name]
+        return
+    ns = {"__name__": f"docs_{page.stem}"}
+    with contextlib.redirect_stdout(io.StringIO()):
+        if page.name in PRELUDE:
+            exec(compile(PRELUDE[page.name], f"{page.name}:prelude", "exec"), ns)  # noqa: S102
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"{page.name}:block {i + 1}", "exec"), ns)  # noqa: S102
+
+
+def _build(out, env=None):
+    cmd = [sys.executable, "-m", "sphinx", "-W", "-n", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})))
+    assert run.returncode == 0, f"`{' '.join(cmd)}` failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("docs") / "html")
+
+
+def test_the_site_builds_without_warnings_and_has_its_pages(site):
+    index = (site / "index.html").read_text()
+    for page in ("getting-started", "choosing-a-loss", "sharding", "kernels", "flax", "maxtext", "trainer",
+                 "data", "benchmarks", "design", "development", "api"):
+        assert (site / f"{page}.html").exists(), page
+        assert f'href="{page}.html"' in index, f"index links no {page}.html"
+    api = (site / "api.html").read_text()
+    for name in ("recloss.bce_loss", "recloss.softmax_loss", "recloss.sampled_loss", "recloss.MeshLayout",
+                 "recloss.psum_in_place", "recloss_plugins.flax.MultiLabelHead"):
+        assert f'id="{name}"' in api, f"api.html documents no {name}"
+
+
+def _paper_row(data):
+    return next(r for r in data["rows"] if r["topology"] == "v6e-8" and r["objective"] == "bce"
+                and r["strategy"] == "cutbce_pallas" and not r.get("options")
+                and (r["B"], r["N"], r["D"], r["V"]) == (8, 256, 256, 876_939))
+
+
+def test_a_record_changed_by_hand_changes_the_rendered_page(site, tmp_path):
+    """The benchmark tables are rendered from docs/figures/hbm at build time, not typed into the page."""
+    from recloss.bench import figures
+    stack = "jax-0.10.2_libtpu-0.0.42.1"
+    data = json.loads((figures.RECORDS_DIR / f"{stack}.json").read_text())
+    gib = _paper_row(data)["hbm_bytes"] / 2**30
+    assert f"| {gib:.3f} |" not in (DOCS / "benchmarks.md").read_text(), "a figure typed into the page"
+    assert f"<td><p>{gib:.3f}</p></td>" in (site / "benchmarks.html").read_text()
+    records = tmp_path / "hbm"
+    shutil.copytree(figures.RECORDS_DIR, records)
+    _paper_row(data)["hbm_bytes"] = int(12.345 * 2**30)
+    (records / f"{stack}.json").write_text(figures.dumps(data))
+    html = (_build(tmp_path / "html", {"RECLOSS_FIGURES_DIR": str(records)}) / "benchmarks.html").read_text()
+    assert "<td><p>12.345</p></td>" in html and f"<td><p>{gib:.3f}</p></td>" not in html

@@ -117,3 +117,80 @@ def test_a_record_changed_by_hand_changes_the_rendered_page(site, tmp_path):
     (records / f"{stack}.json").write_text(figures.dumps(data))
     html = (_build(tmp_path / "html", {"RECLOSS_FIGURES_DIR": str(records)}) / "benchmarks.html").read_text()
     assert "<td><p>12.345</p></td>" in html and f"<td><p>{gib:.3f}</p></td>" not in html
+
+
+# ----------------------------------------------------------------------------- shell blocks
+_SH = re.compile(r"^(?P<indent>[ \t]*)```(?:sh|bash|shell)[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+
+
+def shell_commands(text):
+    """(words, expected error) for each command of the ```sh blocks: continuation lines joined,
+    comments and env prefixes dropped. A command followed by '# <prog>: config error: ...' lines is
+    a documented failure: the expected error is that text."""
+    import shlex
+    out = []
+    for m in _SH.finditer(text):
+        body = re.sub(r"\\\n\s*", " ", m.group("body"))
+        for line in body.splitlines():
+            line = line.strip()
+            if line.startswith("#") and out and re.match(r"#\s*[\w-]+: config error: ", line) and out[-1][1] is None:
+                out[-1] = (out[-1][0], line.split("config error: ", 1)[1])
+                continue
+            if not line or line.startswith("#"):
+                continue
+            words = shlex.split(line, comments=True)
+            while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+                words = words[1:]                            # JAX_PLATFORMS=cpu ... prefixes
+            if words:
+                out.append((words, None))
+    return out
+
+
+def _check_command(words, makefile_targets):
+    """None when the command's program, flags and config keys exist; else what is wrong.
+    Returns 'unchecked' for a program this test does not know (pip, cd, ...)."""
+    import importlib.util
+    prog, args = os.path.basename(words[0]), words[1:]
+    if prog in ("recloss-train", "recloss-prepare-data"):
+        from recloss_plugins.config.pyconfig import load_config
+        with contextlib.chdir(ROOT):
+            load_config(args)                                 # unknown keys and bad values raise here
+        return None
+    if prog == "recloss-bench":
+        from recloss.bench.cli import _parser
+        try:
+            _parser().parse_args(args)
+        except SystemExit:
+            return f"recloss-bench does not take {args}"
+        return None
+    if prog == "make":
+        targets = [a for a in args if "=" not in a and not a.startswith("-")]
+        missing = [t for t in targets if t not in makefile_targets]
+        return f"the Makefile has no target {missing}" if missing else None
+    if prog in ("python", "python3") and args[:1] == ["-m"]:
+        return None if importlib.util.find_spec(args[1]) else f"no module {args[1]}"
+    if prog == "recloss-maxtext-compile":
+        return None if importlib.util.find_spec("recloss_plugins.maxtext.compile") else "no compile module"
+    return "unchecked"
+
+
+def test_every_shell_command_names_programs_flags_and_keys_that_exist():
+    """Commands that need a TPU, a bucket or a real data set are not run; their flags and config
+    keys are checked against the parsers that would read them."""
+    makefile_targets = set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), re.M))
+    checked, problems = 0, []
+    for page in PAGES:
+        for words, expected in shell_commands(page.read_text(encoding="utf-8")):
+            try:
+                problem = _check_command(words, makefile_targets)
+                if expected:
+                    problem = f"documented to fail with '{expected}', but passed"
+            except Exception as err:  # noqa: BLE001 - the error is the finding
+                problem = None if expected and str(err).startswith(expected) else f"{type(err).__name__}: {err}"
+            if problem == "unchecked":
+                continue
+            checked += 1
+            if problem:
+                problems.append(f"{page.name}: `{' '.join(words)}`: {problem}")
+    assert not problems, "\n".join(problems)
+    assert checked >= 25, f"only {checked} documented commands checked"

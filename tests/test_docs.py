@@ -194,3 +194,49 @@ def test_every_shell_command_names_programs_flags_and_keys_that_exist():
                 problems.append(f"{page.name}: `{' '.join(words)}`: {problem}")
     assert not problems, "\n".join(problems)
     assert checked >= 25, f"only {checked} documented commands checked"
+
+
+# ----------------------------------------------------------------------------- a real browser
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# .ci/run installs Debian's chromium and sets this: there the browser test must run, not skip.
+REQUIRE_BROWSER = os.environ.get("RECLOSS_REQUIRE_BROWSER") == "1"
+
+
+def _browse(url, profile):
+    """(DOM after the page's scripts ran, the console messages) of headless Chromium at ``url``."""
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000",
+           "--dump-dom", url]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, f"chromium failed on {url}:\n{run.stderr[-4000:]}"
+    console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line]
+    return run.stdout, console
+
+
+def test_the_site_renders_in_a_real_browser(site, tmp_path):
+    """Headless Chromium loads the index, the API page and a search over localhost: the headings
+    render, the search finds the API page, and no page writes to the console (errors, 404s)."""
+    if CHROMIUM is None:
+        assert not REQUIRE_BROWSER, "RECLOSS_REQUIRE_BROWSER=1 but no chromium on PATH (apt-get install chromium)"
+        pytest.skip("no chromium on PATH (Debian: apt-get install chromium); .ci/run installs it")
+    import functools
+    import http.server
+    import threading
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        index, c1 = _browse(f"{base}/index.html", tmp_path / "p1")
+        api, c2 = _browse(f"{base}/api.html", tmp_path / "p2")
+        search, c3 = _browse(f"{base}/search.html?q=psum_in_place", tmp_path / "p3")
+    finally:
+        server.shutdown()
+    assert re.search(r"<h1>recloss<a ", index), index[:2000]
+    assert re.search(r"<h1>API reference<a ", api) and 'id="recloss.bce_loss"' in api
+    found = re.search(r"Search finished, found (\d+) page", search)
+    assert found and int(found.group(1)) >= 1, search[-3000:]
+    assert 'href="api.html' in search, "the search for psum_in_place does not list the API page"
+    assert not (c1 + c2 + c3), "console messages:\n" + "\n".join(c1 + c2 + c3)

@@ -24,7 +24,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "recloss_figures",
 ]
-source_suffix = {".md": "markdown", ".rst": "restructuredtext"}   # .rst: autosummary's generated stubs
+source_suffix = {".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "figures/hbm/README.md"]
 myst_enable_extensions = ["colon_fence"]

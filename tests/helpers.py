@@ -285,3 +285,17 @@ def count_vocab_loss_calls(monkeypatch):
 
     monkeypatch.setattr(rm_loss, "vocab_loss", counting)
     return calls
+
+
+# ```python blocks of a Markdown page, at any indentation (a block inside a list item is indented).
+_PYTHON_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+
+
+def python_blocks(text: str):
+    """The ```python fenced blocks of ``text``, in order, their indentation removed."""
+    out = []
+    for m in _PYTHON_BLOCK.finditer(text):
+        indent = len(m.group("indent"))
+        out.append("".join(line[indent:] if line[:indent].strip() == "" else line
+                           for line in m.group("body").splitlines(keepends=True)))
+    return out

@@ -19,12 +19,20 @@ import sys
 
 import pytest
 
+from helpers import python_blocks
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md"] + sorted(DOCS.glob("*.md"))
-COVERED = {"flax.md": "tests/test_readme_example.py::test_flax_example_runs_and_learns",
-           "sharding.md": "tests/test_readme_example.py::test_sharding_example_runs_and_equals_one_device"}
+COVERED = {"sharding.md": "tests/test_readme_example.py::test_sharding_example_runs_and_equals_one_device"}
 PRELUDE = {
+    # The softmax head's snippet (a list item after the example) uses a reader's hidden states and rngs.
+    "flax.md": """
+import jax
+from flax import nnx
+rngs = nnx.Rngs(1)
+hidden = jax.random.normal(jax.random.key(5), (16, 20, 32))
+""",
     # The sampled example's prose: a model's hidden states, its table, a batch and the training counts.
     "choosing-a-loss.md": """
 import jax, jax.numpy as jnp, recloss
@@ -37,19 +45,6 @@ train_item_counts = jax.random.randint(jax.random.key(3), (V,), 0, 100)
 step = 7
 """,
 }
-# ```python blocks, at any indentation (a block inside a list item is indented).
-_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
-
-
-def python_blocks(text):
-    out = []
-    for m in _BLOCK.finditer(text):
-        indent = len(m.group("indent"))
-        out.append("".join(line[indent:] if line[:indent].strip() == "" else line
-                           for line in m.group("body").splitlines(keepends=True)))
-    return out
-
-
 def test_block_collector_reads_indented_blocks():
     text = "x\n```python\na = 1\n```\n* item\n\n  ```python\n  b = a + 1\n  ```\n```sh\nls\n```\n"
     assert python_blocks(text) == ["a = 1\n", "b = a + 1\n"]

@@ -1,60 +1,29 @@
 """The guides' examples run as printed and do what they say: docs/flax.md's model trains,
 docs/sharding.md's sharded loss and hand-written data-parallel step equal one device.
 
-Both blocks are executed verbatim (the sharding ones on the 8 CPU devices of conftest);
-tests/test_docs.py runs every other page's Python blocks.
+The first Flax block and both sharding blocks are executed verbatim (the sharding ones on the 8 CPU
+devices of conftest); tests/test_docs.py runs every page's other Python blocks.
 """
 
 import contextlib
 import io
 import pathlib
-import re
+
+from helpers import python_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-HEADING = "## Add recloss to your Flax trainer"
-SHARDING_HEADING = "## Sharding"
-
-
-def extract_section(text: str, heading: str = HEADING):
-    """Text after ``heading`` up to the next '## ' heading, or None without the heading."""
-    m = re.search(r"^" + re.escape(heading) + r"[ \t]*$", text, flags=re.MULTILINE)
-    if m is None:
-        return None
-    rest = text[m.end():]
-    nxt = re.search(r"^## ", rest, flags=re.MULTILINE)
-    return rest[:nxt.start()] if nxt else rest
-
-
 FLAX_PAGE = ROOT / "docs" / "flax.md"
 SHARDING_PAGE = ROOT / "docs" / "sharding.md"
 
 
-def _section_source():
-    """(path, text) of the Flax guide."""
-    return FLAX_PAGE, FLAX_PAGE.read_text(encoding="utf-8")
-
-
-def python_blocks(section: str):
-    """The ```python fenced blocks of ``section``, in order."""
-    return [m.group(1) for m in re.finditer(r"^```python[ \t]*\n(.*?)^```[ \t]*$", section,
-                                            flags=re.MULTILINE | re.DOTALL)]
-
-
-def test_extraction_finds_first_python_block():
-    doc = ("# T\n\n## Other\n```python\nx = 0\n```\n" + HEADING + "\n\ntext\n```bash\nls\n```\n"
-           "```python\na = 1\n```\n```python\nb = 2\n```\n## Next\n```python\nc = 3\n```\n")
-    assert python_blocks(extract_section(doc)) == ["a = 1\n", "b = 2\n"]
-    assert extract_section("# T\n## Add recloss to your Flax trainers\n") is None
-
-
 def test_flax_example_runs_and_learns():
-    path, section = _section_source()
-    blocks = python_blocks(section)
-    assert blocks, f"no ```python block after {HEADING!r} in {path}"
+    path = FLAX_PAGE
+    blocks = python_blocks(path.read_text(encoding="utf-8"))
+    assert blocks, f"no ```python block in {path}"
     namespace = {"__name__": "readme_example"}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(blocks[0], f"{path.name}:{HEADING}", "exec"), namespace)  # noqa: S102
+        exec(compile(blocks[0], f"{path.name}:block 1", "exec"), namespace)  # noqa: S102
     losses = namespace["losses"]
     assert len(losses) >= 2 and all(v == v for v in losses), losses  # no NaN
     assert losses[-1] < 0.1 * losses[0], f"example loss did not fall: {losses[0]} -> {losses[-1]}"
@@ -78,7 +47,7 @@ def test_sharding_example_runs_and_equals_one_device():
     blocks = python_blocks(path.read_text(encoding="utf-8"))
     assert blocks, f"no ```python block in {path}"
     ns = {"__name__": "readme_sharding_example"}
-    exec(compile(blocks[0], f"{path.name}:{SHARDING_HEADING}", "exec"), ns)  # noqa: S102
+    exec(compile(blocks[0], f"{path.name}:block 1", "exec"), ns)  # noqa: S102
     layout, v = ns["layout"], ns["V"]
     assert ns["table"].shape[0] == recloss.padded_vocab_size(v, layout) >= v
     assert int(jnp.max(ns["targets"])) < v
@@ -97,7 +66,7 @@ def test_sharding_example_runs_and_equals_one_device():
     assert isinstance(ns["specs"], recloss.Specs)
     # The data-parallel step written by hand (MeshLayout(manual=True) and psum_in_place).
     assert len(blocks) >= 2, f"no second ```python block (the hand-written data-parallel step) in {path}"
-    exec(compile(blocks[1], f"{path.name}:{SHARDING_HEADING} (manual)", "exec"), ns)  # noqa: S102
+    exec(compile(blocks[1], f"{path.name}:block 2 (manual)", "exec"), ns)  # noqa: S102
     assert ns["manual"].manual
     assert rel(ns["dp_loss"], ref) <= 1e-5, (float(ns["dp_loss"]), float(ref))
     assert rel(ns["dp_d_table"], ref_de) <= 1e-4

@@ -99,19 +99,26 @@ def _paper_row(data):
 
 
 def test_a_record_changed_by_hand_changes_the_rendered_page(site, tmp_path):
-    """The benchmark tables are rendered from docs/figures/hbm at build time, not typed into the page."""
+    """The benchmark tables are rendered from docs/figures (hbm/, cpu/) at build time, not typed into the page."""
     from recloss.bench import figures
     stack = "jax-0.10.2_libtpu-0.0.42.1"
     data = json.loads((figures.RECORDS_DIR / f"{stack}.json").read_text())
     gib = _paper_row(data)["hbm_bytes"] / 2**30
     assert f"| {gib:.3f} |" not in (DOCS / "benchmarks.md").read_text(), "a figure typed into the page"
     assert f"<td><p>{gib:.3f}</p></td>" in (site / "benchmarks.html").read_text()
-    records = tmp_path / "hbm"
-    shutil.copytree(figures.RECORDS_DIR, records)
+    cpu = json.loads((figures.FIGURES_DIR / figures.CPU_TABLES["cpu-bce"].file).read_text())
+    median = cpu["rows"][0]["median_s"]
+    assert f"| {median:.3f} |" not in (DOCS / "benchmarks.md").read_text(), "a CPU timing typed into the page"
+    assert f"<td><p>{median:.3f}</p></td>" in (site / "benchmarks.html").read_text()
+    copy = tmp_path / "figures"
+    shutil.copytree(figures.FIGURES_DIR, copy)
     _paper_row(data)["hbm_bytes"] = int(12.345 * 2**30)
-    (records / f"{stack}.json").write_text(figures.dumps(data))
-    html = (_build(tmp_path / "html", {"RECLOSS_FIGURES_DIR": str(records)}) / "benchmarks.html").read_text()
+    (copy / "hbm" / f"{stack}.json").write_text(figures.dumps(data))
+    cpu["rows"][0]["median_s"] = 98.765
+    (copy / figures.CPU_TABLES["cpu-bce"].file).write_text(json.dumps(cpu))
+    html = (_build(tmp_path / "html", {"RECLOSS_FIGURES_DIR": str(copy)}) / "benchmarks.html").read_text()
     assert "<td><p>12.345</p></td>" in html and f"<td><p>{gib:.3f}</p></td>" not in html
+    assert "<td><p>98.765</p></td>" in html and f"<td><p>{median:.3f}</p></td>" not in html
 
 
 # ----------------------------------------------------------------------------- shell blocks

@@ -29,7 +29,7 @@ def _row(strategy="cutbce_pallas", V=1000, temp=100, **kw):
 # ----------------------------------------------------------------------------- no compile
 def test_readme_tables_are_rendered_from_the_records():
     text = figures.README.read_text()
-    names = [b[1] for b in figures._BLOCK.findall(text)]
+    names = [m["name"] for m in figures._BLOCK.finditer(text)]
     assert set(names) <= set(figures.TABLES) and len(names) == len(set(names)), names
     assert "v6e-headline" in names, "README.md's headline table is a rendered block"
     rendered = figures.render_readme(text)
@@ -187,3 +187,32 @@ def test_bench_record_writes_this_stacks_file(tmp_path, capsys):
     for r in rows:
         assert r["hbm_bytes"] == r["argument_bytes"] + r["output_bytes"] + r["temp_bytes"]
         assert r["objective"] == "bce" and r["options"] == {}
+
+
+def test_cpu_table_renders_its_results_file(tmp_path):
+    """The CPU timing table is `cli.format_cpu` of the committed JSON; a missing file names its command."""
+    table = figures.CPU_TABLES["cpu-bce"]
+    data = json.loads((figures.FIGURES_DIR / table.file).read_text())
+    (tmp_path / table.file).parent.mkdir(parents=True)
+    data["rows"][0]["median_s"] = 98.765
+    (tmp_path / table.file).write_text(json.dumps(data))
+    text = figures.render_readme("<!-- figures:cpu-bce cpu -->\n<!-- /figures:cpu-bce -->", figures_dir=tmp_path)
+    assert text.startswith("<!-- figures:cpu-bce cpu -->\n```sh\n" + table.command())
+    assert "| 98.765 |" in text and text.endswith(f"jax {data['info']['jax_version']})\n<!-- /figures:cpu-bce -->")
+    with pytest.raises(figures.RecordError, match=r"cannot read CPU results file .*cpu/bce\.json.*make bench"):
+        figures.render_cpu_table("cpu-bce", tmp_path / "nowhere")
+    with pytest.raises(figures.RecordError, match="figures:nope cpu names no CPU table"):
+        figures.render_readme("<!-- figures:nope cpu -->\n<!-- /figures:nope -->")
+
+
+def test_a_cpu_run_writes_what_the_table_renders(tmp_path, capsys):
+    """`recloss-bench --json` keeps what the printed table needs: the docs render the same text."""
+    table = figures.CPU_TABLES["cpu-bce"]
+    path = tmp_path / table.file
+    path.parent.mkdir(parents=True)
+    assert cli.main(["--quick", "--repeats", "1", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    rendered = figures.render_cpu_table("cpu-bce", tmp_path)
+    body = rendered.split(":\n\n", 1)[1]
+    assert json.loads(path.read_text())["info"]["total_s"] >= 0
+    assert body.strip() and body.strip() in printed.strip(), (body, printed)

@@ -1,7 +1,8 @@
-"""Fills each page's ``<!-- figures:NAME stack=STACK -->`` blocks from the record files at build time.
+"""Fills each page's ``<!-- figures:NAME ... -->`` blocks from the results files at build time.
 
 A page commits only the empty block; `recloss.bench.figures.render_readme` renders the table from
-``docs/figures/hbm/STACK.json`` when Sphinx reads the page, so changing a record changes the page.
+``docs/figures/hbm/STACK.json`` (``stack=STACK``: per-chip HBM) or the CPU table's JSON under
+``docs/figures/cpu`` (``cpu``) when Sphinx reads the page, so changing a results file changes the page.
 """
 
 import os
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from recloss.bench import figures
 
-# RECLOSS_FIGURES_DIR: render from another records folder (the docs test edits a copy).
+# RECLOSS_FIGURES_DIR: render from another figures folder (hbm/, cpu/; the docs test edits a copy).
 ENV = "RECLOSS_FIGURES_DIR"
 
 
@@ -18,7 +19,7 @@ def _fill(app, docname, source):
     if "<!-- figures:" not in text:
         return
     # Rendered for README.md at the repository root: its links into docs/ are relative to docs/ here.
-    source[0] = figures.render_readme(text, records_dir=Path(os.environ[ENV]) if os.environ.get(ENV) else None).replace("](docs/", "](")
+    source[0] = figures.render_readme(text, figures_dir=Path(os.environ[ENV]) if os.environ.get(ENV) else None).replace("](docs/", "](")
 
 
 def setup(app):

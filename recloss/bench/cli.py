@@ -207,6 +207,12 @@ def _chunked_padding(hidden, table, targets) -> dict:
                 predicted_relative=bias / float(exact))
 
 
+def format_cpu_total(info) -> str:
+    """The closing line of a CPU run: its wall time, cores and versions."""
+    extra = f", tokamax {info['tokamax_version']}" if info.get("tokamax_version") else ""
+    return f"(total {info['total_s']}s on {info['cpu_count']} CPU cores, jax {info['jax_version']}{extra})"
+
+
 def format_cpu(results, info, notes=()) -> str:
     """The CPU table and what follows from it (``notes``: rows left out, and why)."""
     objective = OBJECTIVES[info.get("objective", "bce")]
@@ -413,10 +419,9 @@ def _cpu_payload(args, objective, strategies, shape) -> dict:
     t0 = time.perf_counter()
     results, info = run_cpu(shape, strategies, args.repeats, args.block_v, objective=objective.name,
                             precision=args.precision)
+    info["total_s"] = round(time.perf_counter() - t0)
     print(format_cpu(results, info, notes))
-    extra = f", tokamax {info['tokamax_version']}" if info.get("tokamax_version") else ""
-    print(f"\n(total {time.perf_counter() - t0:.0f}s on {info['cpu_count']} CPU cores, "
-          f"jax {info['jax_version']}{extra})")
+    print("\n" + format_cpu_total(info))
     payload = dict(info=info, rows=results)
     if notes:
         payload["notes"] = notes

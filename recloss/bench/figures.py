@@ -37,7 +37,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 FORMAT = 1
 ROOT = Path(__file__).resolve().parents[2]
-RECORDS_DIR = ROOT / "docs" / "figures" / "hbm"
+FIGURES_DIR = ROOT / "docs" / "figures"
+RECORDS_DIR = FIGURES_DIR / "hbm"
 README = ROOT / "README.md"
 # Fields that name a row (its key); a later recording of the same key replaces it.
 KEY_FIELDS = ("topology", "objective", "strategy", "B", "N", "D", "V", "L", "dtype", "options")
@@ -202,6 +203,23 @@ TABLES: Dict[str, Table] = {
     # README.md's headline: the paper's per-chip shape of the v6e-bce table.
     "v6e-headline": Table("v6e-8", "bce", "paper", ".venv", only=(8, 256, 256, 876_939)),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuTable:
+    """One CPU timing table: what `recloss-bench ARGS --json docs/figures/FILE` printed, kept as its
+    JSON payload and rendered by the same `cli.format_cpu` (timings are this machine's, not a stack's)."""
+    file: str                    # under docs/figures: 'cpu/bce.json'
+    args: str = ""               # recloss-bench arguments besides --json
+
+    def command(self) -> str:
+        extra = f"{self.args} " if self.args else ""
+        return f'make bench BENCH_ARGS="{extra}--json docs/figures/{self.file}"'
+
+
+CPU_TABLES: Dict[str, CpuTable] = {
+    "cpu-bce": CpuTable("cpu/bce.json"),
+}
 # The strategies' order within a shape (others follow, by name).
 ORDER = ("dense_bce", "cutbce", "cutbce_pallas", "dense_ce", "cutce", "cutce_pallas",
          "tokamax:xla", "tokamax:chunked_xla", "tokamax:mosaic_tpu")
@@ -257,12 +275,44 @@ def render_table(name: str, stack: str, records_dir: Optional[Path] = None) -> s
     return "\n".join(lines)
 
 
-_BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w.-]+) stack=(?P<stack>[\w.+-]+) -->\n)(?P<body>.*?)"
-                    r"(?P<end>\n<!-- /figures:(?P=name) -->)", re.S)
+def render_cpu_table(name: str, figures_dir: Optional[Path] = None) -> str:
+    """The block of CPU table ``name`` from ``<figures_dir>/<file>`` (without its marker lines)."""
+    from recloss.bench import cli
+
+    table = CPU_TABLES[name]
+    path = Path(FIGURES_DIR if figures_dir is None else figures_dir) / table.file
+    try:
+        data = json.loads(path.read_text())
+        info, results = data["info"], data["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RecordError(f"cannot read CPU results file {path} ({err}): write it with `{table.command()}`") from err
+    rel = f"docs/figures/{table.file}"
+    return "\n".join([
+        "```sh",
+        table.command(),
+        "```",
+        "",
+        f"Recorded in [`{rel}`]({rel}):",
+        "",
+        cli.format_cpu(results, info, data.get("notes", ())),
+        "",
+        cli.format_cpu_total(info),
+    ])
 
 
-def render_readme(text: str, records_dir: Optional[Path] = None, stacks: Optional[Dict[str, str]] = None) -> str:
-    """``text`` with every marked block re-rendered (``stacks``: {name: stack} overrides the markers')."""
+_CPU_BLOCK = re.compile(r"(?P<start><!-- figures:(?P<name>[\w.-]+) cpu -->\n)(?P<body>.*?)"
+                        r"(?P<end><!-- /figures:(?P=name) -->)", re.S)
+
+# A block's body (empty as committed in docs/, rendered in README.md) lies between its two marker lines.
+_BLOCK = re.compile(r"<!-- figures:(?P<name>[\w.-]+) stack=(?P<stack>[\w.+-]+) -->\n(?P<body>.*?)"
+                    r"(?P<end><!-- /figures:(?P=name) -->)", re.S)
+
+
+def render_readme(text: str, records_dir: Optional[Path] = None, stacks: Optional[Dict[str, str]] = None,
+                  figures_dir: Optional[Path] = None) -> str:
+    """``text`` with every marked block re-rendered: ``<!-- figures:NAME stack=STACK -->`` from the
+    per-chip HBM records (``records_dir``, default ``<figures_dir>/hbm``; ``stacks``: {name: stack}
+    overrides the markers'), ``<!-- figures:NAME cpu -->`` from ``<figures_dir>/<file>`` (default docs/figures)."""
     stacks = dict(stacks or {})
     seen = set()
 
@@ -273,9 +323,17 @@ def render_readme(text: str, records_dir: Optional[Path] = None, stacks: Optiona
         seen.add(name)
         stack = stacks.get(name, m.group("stack"))
         return (f"<!-- figures:{name} stack={stack} -->\n" + render_table(name, stack, records_dir)
-                + m.group("end"))
+                + "\n" + m.group("end"))
 
-    out = _BLOCK.sub(sub, text)
+    def sub_cpu(m):
+        name = m.group("name")
+        if name not in CPU_TABLES:
+            raise RecordError(f"block figures:{name} cpu names no CPU table (known: {', '.join(CPU_TABLES)})")
+        return m.group("start") + render_cpu_table(name, figures_dir) + "\n" + m.group("end")
+
+    if records_dir is None and figures_dir is not None:
+        records_dir = Path(figures_dir) / "hbm"
+    out = _CPU_BLOCK.sub(sub_cpu, _BLOCK.sub(sub, text))
     unknown = set(stacks) - seen
     if unknown:
         raise RecordError(f"README has no figures block {', '.join(sorted(unknown))}")

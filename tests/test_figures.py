@@ -216,3 +216,20 @@ def test_a_cpu_run_writes_what_the_table_renders(tmp_path, capsys):
     body = rendered.split(":\n\n", 1)[1]
     assert json.loads(path.read_text())["info"]["total_s"] >= 0
     assert body.strip() and body.strip() in printed.strip(), (body, printed)
+
+
+def test_cpu_runs_table_has_one_line_per_results_file(tmp_path):
+    runs = figures.CPU_RUNS["cpu-bce-runs"]
+    data = json.loads((figures.FIGURES_DIR / figures.CPU_TABLES["cpu-bce"].file).read_text())
+    (tmp_path / "cpu").mkdir()
+    for i, f in enumerate(runs.files):
+        data["info"]["matmul_gflops_per_s"] = 100.0 + i
+        (tmp_path / f).write_text(json.dumps(data))
+    text = figures.render_cpu_runs("cpu-bce-runs", tmp_path)
+    assert [line.split(" | ")[1] for line in text.splitlines() if line[:4] in {"| 1 ", "| 2 ", "| 3 ", "| 4 "}] == \
+        ["100.0", "101.0", "102.0", "103.0"]
+    assert "Over these runs:" in text
+    data["rows"] = [r for r in data["rows"] if r["strategy"] != "dense_bce"]
+    (tmp_path / runs.files[2]).write_text(json.dumps(data))
+    with pytest.raises(figures.RecordError, match=r"bce-3\.json has no 'dense_bce' row"):
+        figures.render_cpu_runs("cpu-bce-runs", tmp_path)

@@ -220,6 +220,22 @@ class CpuTable:
 CPU_TABLES: Dict[str, CpuTable] = {
     "cpu-bce": CpuTable("cpu/bce.json"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuRuns:
+    """The run-to-run spread of `make bench`: one line of ratios per results file (the same code, run
+    one after another), and the ranges the benchmark page's prose reasons from."""
+    files: Tuple[str, ...]       # under docs/figures
+
+    def command(self) -> str:
+        stems = " ".join(Path(f).with_suffix("").as_posix() for f in self.files)
+        return f'for f in {stems}; do make bench BENCH_ARGS="--json docs/figures/$f.json"; done'
+
+
+CPU_RUNS: Dict[str, CpuRuns] = {
+    "cpu-bce-runs": CpuRuns(("cpu/bce.json", "cpu/bce-2.json", "cpu/bce-3.json", "cpu/bce-4.json")),
+}
 # The strategies' order within a shape (others follow, by name).
 ORDER = ("dense_bce", "cutbce", "cutbce_pallas", "dense_ce", "cutce", "cutce_pallas",
          "tokamax:xla", "tokamax:chunked_xla", "tokamax:mosaic_tpu")
@@ -281,11 +297,8 @@ def render_cpu_table(name: str, figures_dir: Optional[Path] = None) -> str:
 
     table = CPU_TABLES[name]
     path = Path(FIGURES_DIR if figures_dir is None else figures_dir) / table.file
-    try:
-        data = json.loads(path.read_text())
-        info, results = data["info"], data["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise RecordError(f"cannot read CPU results file {path} ({err}): write it with `{table.command()}`") from err
+    data = _load_cpu(path, table.command())
+    info, results = data["info"], data["rows"]
     rel = f"docs/figures/{table.file}"
     return "\n".join([
         "```sh",
@@ -298,6 +311,61 @@ def render_cpu_table(name: str, figures_dir: Optional[Path] = None) -> str:
         "",
         cli.format_cpu_total(info),
     ])
+
+
+def _load_cpu(path: Path, command: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        data["info"], data["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RecordError(f"cannot read CPU results file {path} ({err}): write it with `{command}`") from err
+    return data
+
+
+def render_cpu_runs(name: str, figures_dir: Optional[Path] = None) -> str:
+    """The block of run series ``name``: per run the matmul ceiling and the fused pass's ratios, then
+    the ranges over the runs (matmuls-only share of the ceiling, what the loss math adds, the time a
+    fused pass at a quarter of dense_bce would need against the same-run ceiling)."""
+    from recloss.bench.rows import MATMULS_ONLY, OPTAX_LABEL
+
+    runs = CPU_RUNS[name]
+    base = Path(FIGURES_DIR if figures_dir is None else figures_dir)
+    lines = ["```sh", runs.command(), "```", "",
+             "Recorded in " + ", ".join(f"[`{Path(f).name}`](docs/figures/{f})" for f in runs.files) + ":", "",
+             "| run | ceiling GFLOP/s | fused / dense_bce | fused / optax | fused / recompute | fused, of matmul "
+             "| fused / matmuls only |", "|---|---|---|---|---|---|---|"]
+    spans = {k: [] for k in ("matmuls", "adds", "ns", "dense", "quarter", "optax")}
+    for i, f in enumerate(runs.files, 1):
+        data = _load_cpu(base / f, runs.command())
+        by = {r["strategy"]: r for r in data["rows"]}
+        try:
+            fused, dense, rec, mm = (by["cutbce (fused)"], by["dense_bce"], by["cutbce (recompute, paper design)"],
+                                     by[MATMULS_ONLY])
+        except KeyError as err:
+            raise RecordError(f"CPU results file {base / f} has no {err} row: rerun `{runs.command()}`") from err
+        ceiling = data["info"]["matmul_gflops_per_s"]
+        optax = by.get(OPTAX_LABEL)
+        ratio = lambda r: f"{fused['median_s'] / r['median_s']:.3f}" if r else "–"
+        lines.append(f"| {i} | {ceiling:.1f} | {ratio(dense)} | {ratio(optax)} | {ratio(rec)} | "
+                     f"{100 * fused['matmul_fraction']:.0f}% | {fused['median_s'] / mm['median_s']:.2f} |")
+        logits = fused["batch"] * fused["seq"] * fused["vocab"]
+        spans["matmuls"].append(100 * mm["matmul_fraction"])
+        spans["adds"].append(100 * (fused["median_s"] / mm["median_s"] - 1))
+        spans["ns"].append(1e9 * (fused["median_s"] - mm["median_s"]) / logits)
+        spans["dense"].append(dense["median_s"])
+        spans["quarter"].append(100 * fused["nominal_gflop"] / (dense["median_s"] / 4) / ceiling)
+        if optax:
+            spans["optax"].append(fused["median_s"] / optax["median_s"])
+    rng = lambda k, fmt: f"{fmt.format(min(spans[k]))}–{fmt.format(max(spans[k]))}"
+    lines += ["", f"Over these runs: the blocked matmuls alone reach {rng('matmuls', '{:.0f}')}% of the same-run "
+              f"2048³ rate; the loss math adds {rng('adds', '{:.0f}')}% on top, {rng('ns', '{:.2f}')} ns per logit; "
+              f"`dense_bce` takes {rng('dense', '{:.2f}')} s, so a fused pass at a quarter of it would run at "
+              f"{rng('quarter', '{:.0f}')}% of the same-run matmul rate"
+              + (" (faster than the matmul alone: no exact implementation gets there on this CPU)"
+                 if min(spans["quarter"]) > 100 else "")
+              + (f"; against the optax code the fused pass takes {rng('optax', '{:.3f}')} of its time." if spans["optax"]
+                 else ".")]
+    return "\n".join(lines)
 
 
 _CPU_BLOCK = re.compile(r"(?P<start><!-- figures:(?P<name>[\w.-]+) cpu -->\n)(?P<body>.*?)"
@@ -327,8 +395,11 @@ def render_readme(text: str, records_dir: Optional[Path] = None, stacks: Optiona
 
     def sub_cpu(m):
         name = m.group("name")
+        if name in CPU_RUNS:
+            return m.group("start") + render_cpu_runs(name, figures_dir) + "\n" + m.group("end")
         if name not in CPU_TABLES:
-            raise RecordError(f"block figures:{name} cpu names no CPU table (known: {', '.join(CPU_TABLES)})")
+            raise RecordError(f"block figures:{name} cpu names no CPU table "
+                              f"(known: {', '.join([*CPU_TABLES, *CPU_RUNS])})")
         return m.group("start") + render_cpu_table(name, figures_dir) + "\n" + m.group("end")
 
     if records_dir is None and figures_dir is not None:

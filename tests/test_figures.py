@@ -190,7 +190,7 @@ def test_bench_record_writes_this_stacks_file(tmp_path, capsys):
 
 
 def test_cpu_table_renders_its_results_file(tmp_path):
-    """The CPU timing table is `cli.format_cpu` of the committed JSON; a missing file names its command."""
+    """The CPU timing table is `rows.format_cpu` of the committed JSON; a missing file names its command."""
     table = figures.CPU_TABLES["cpu-bce"]
     data = json.loads((figures.FIGURES_DIR / table.file).read_text())
     (tmp_path / table.file).parent.mkdir(parents=True)

@@ -208,7 +208,8 @@ TABLES: Dict[str, Table] = {
 @dataclasses.dataclass(frozen=True)
 class CpuTable:
     """One CPU timing table: what `recloss-bench ARGS --json docs/figures/FILE` printed, kept as its
-    JSON payload and rendered by the same `cli.format_cpu` (timings are this machine's, not a stack's)."""
+    JSON payload and rendered by the same `rows.format_cpu` that prints recloss-bench's table
+    (timings are this machine's, not a stack's)."""
     file: str                    # under docs/figures: 'cpu/bce.json'
     args: str = ""               # recloss-bench arguments besides --json
 
@@ -293,7 +294,7 @@ def render_table(name: str, stack: str, records_dir: Optional[Path] = None) -> s
 
 def render_cpu_table(name: str, figures_dir: Optional[Path] = None) -> str:
     """The block of CPU table ``name`` from ``<figures_dir>/<file>`` (without its marker lines)."""
-    from recloss.bench import cli
+    from recloss.bench import rows as bench_rows
 
     table = CPU_TABLES[name]
     path = Path(FIGURES_DIR if figures_dir is None else figures_dir) / table.file
@@ -307,9 +308,9 @@ def render_cpu_table(name: str, figures_dir: Optional[Path] = None) -> str:
         "",
         f"Recorded in [`{rel}`]({rel}):",
         "",
-        cli.format_cpu(results, info, data.get("notes", ())),
+        bench_rows.format_cpu(results, info, data.get("notes", ())),
         "",
-        cli.format_cpu_total(info),
+        bench_rows.format_cpu_total(info),
     ])
 
 

@@ -4,7 +4,8 @@ A `Row` is one configuration with a loss ``loss_of(hidden, table, targets) -> sc
 `cli.run_cpu` compiles and times every row the same way, whatever the objective.
 An `Objective` names its entry point, its dense baseline (the 'vs dense' column),
 the optax code users write for it, and which strategies recompute the logits
-(8·BN·V·D nominal flops instead of 6).
+(8·BN·V·D nominal flops instead of 6). `format_cpu` and `format_topology` print
+the tables, for recloss-bench and for the docs' rendered figures alike.
 
     bce       dense_bce, optax (sigmoid BCE), cutbce (+ recompute and matmuls-only rows)
     softmax   dense_ce, optax (softmax CE), cutce, cutce_pallas (--topology), tokamax (a peer)
@@ -243,3 +244,91 @@ def format_topology(topology: str, rows, objective: str = "bce", notes=()) -> st
                          "[D, V]; the recloss rows L=8. The targets are B·N·L int32: a few KiB of HBM.")
     lines += list(notes)
     return "\n".join(lines)
+
+
+def format_cpu_total(info) -> str:
+    """The closing line of a CPU run: its wall time, cores and versions."""
+    extra = f", tokamax {info['tokamax_version']}" if info.get("tokamax_version") else ""
+    return f"(total {info['total_s']}s on {info['cpu_count']} CPU cores, jax {info['jax_version']}{extra})"
+
+
+def format_cpu(results, info, notes=()) -> str:
+    """The CPU table and what follows from it (``notes``: rows left out, and why)."""
+    objective = OBJECTIVES[info.get("objective", "bce")]
+    lines = [
+        f"loss+grad, float32, median of {results[0]['repeats']} interleaved runs (shuffled each round); "
+        f"matmul ceiling {info['matmul_gflops_per_s']:.1f} GFLOP/s ({info['matmul_shape']}, ~1 s back to back "
+        "in each round)",
+        "",
+        "| strategy | B×N | V | D | temp MiB | temp vs dense | median s | time vs dense | GFLOP/s (nominal) | of matmul |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        tvd = f"{r['temp_vs_dense']:.4f}" if r["temp_vs_dense"] is not None else "-"
+        svd = f"{r['time_vs_dense']:.3f}" if r["time_vs_dense"] is not None else "-"
+        lines.append(
+            f"| {r['strategy']} | {r['batch']}×{r['seq']} | {r['vocab']:,} | {r['dim']} | {r['temp_mib']:.1f} | "
+            f"{tvd} | {r['median_s']:.3f} | {svd} | {r['gflops_per_s']:.1f} | {100 * r['matmul_fraction']:.0f}% |")
+    if objective.name != "bce":
+        lines.append("")
+    fused = next((r for r in results if r["strategy"] == "cutbce (fused)"), None)
+    recompute = next((r for r in results if r["strategy"].startswith("cutbce (recompute")), None)
+    if fused and recompute:
+        lines.append("")
+        lines.append(f"fused / recompute time: {fused['median_s'] / recompute['median_s']:.3f} "
+                     f"(flop ratio 6/8 = 0.750)")
+    optax_row = next((r for r in results if r["strategy"] == OPTAX_LABEL), None)
+    if fused and optax_row:
+        lines.append(f"cutbce (fused) / optax dense time: {fused['median_s'] / optax_row['median_s']:.3f}, "
+                     f"temp: {fused['temp_mib'] / optax_row['temp_mib']:.4f}")
+    losses = [r["loss"] for r in results if r.get("loss") is not None and not r.get("peer")]
+    if len(losses) > 1:
+        spread = (max(losses) - min(losses)) / max(abs(min(losses)), 1e-30)
+        verdict = "agree" if spread <= 1e-5 else "DISAGREE (a row computes a different loss!)"
+        names = "" if objective.name == "bce" else " (" + ", ".join(
+            r["strategy"] for r in results if r.get("loss") is not None and not r.get("peer")) + ")"
+        lines.append(f"loss values of the rows{names} {verdict}: {min(losses):.7g} .. {max(losses):.7g} "
+                     f"(relative spread {spread:.1e})")
+    mm = next((r for r in results if r["strategy"] == MATMULS_ONLY), None)
+    if fused and mm:
+        logits = fused["batch"] * fused["seq"] * fused["vocab"]
+        extra = fused["median_s"] - mm["median_s"]
+        lines.append(
+            f"fused / blocked matmuls alone: {fused['median_s'] / mm['median_s']:.3f}. The difference, "
+            f"{extra:.3f} s, is the loss math: per logit exp(−|x|), log1p, exp(−x), one divide and ~8 "
+            f"cheap ops, {logits / 1e6:.1f} M logits, {1e9 * extra / logits:.2f} ns per logit.")
+    if objective.name == "softmax":
+        lines += _softmax_lines(results, info)
+    lines += list(notes)
+    lines.append(objective.flops_note)
+    return "\n".join(lines)
+
+
+def _softmax_lines(results, info) -> list:
+    """The peers' losses against the dense one, and cutce against each peer and the ceiling."""
+    lines = []
+    dense = next((r for r in results if r["strategy"] == info.get("dense")), None)
+    cut = next((r for r in results if r["strategy"] == "cutce"), None)
+    pad = info.get("chunked_xla_padding")
+    for r in results:
+        if not r.get("peer"):
+            continue
+        if dense and dense.get("loss"):
+            rel = (r["loss"] - dense["loss"]) / abs(dense["loss"])
+            line = f"{r['strategy']} loss vs {dense['strategy']}: {r['loss']:.7g} ({rel:+.2e} relative)"
+            if r["strategy"] == "tokamax chunked_xla" and pad:
+                line += (f"; V = {r['vocab']:,} is not a multiple of its v_block_size {pad['v_block']}: the "
+                         f"{pad['pad_columns']} zero columns it pads the table with count exp(0) each in "
+                         f"its log-partition, which predicts {pad['predicted_relative']:+.2e} (not a "
+                         "precision effect)")
+            lines.append(line)
+        if cut:
+            lines.append(f"cutce / {r['strategy']}: time {cut['median_s'] / r['median_s']:.3f}, "
+                         f"temp {cut['temp_mib'] / max(r['temp_mib'], 1e-9):.4f}")
+    if cut:
+        lines.append(f"cutce at 8·BN·V·D: {cut['gflops_per_s']:.1f} GFLOP/s, "
+                     f"{100 * cut['matmul_fraction']:.0f}% of the same-run matmul ceiling "
+                     f"({info['matmul_gflops_per_s']:.1f} GFLOP/s)")
+    if info.get("precision", "default") != "default":
+        lines.append(f"every row and the ceiling traced under jax.default_matmul_precision({info['precision']!r})")
+    return lines

@@ -15,7 +15,7 @@ PYTHON312 ?= $(shell for p in "$$(command -v python3.12)" "$$(pyenv root 2>/dev/
 	done)
 STAMP312  := $(VENV312)/.installed
 
-.PHONY: test test-py312 python312 train bench quality docs clean
+.PHONY: test test-py312 python312 train bench bench-py312 quality docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ train: $(STAMP)
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)/bin/recloss-bench $(BENCH_ARGS)
 
+# The same on the Python 3.12 venv, where Tokamax (the softmax peer rows) installs.
+bench-py312: $(STAMP312)
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV312)/bin/recloss-bench $(BENCH_ARGS)
+
 # The per-chip HBM tables (README.md's headline, docs/benchmarks.md): one record per (jax, libtpu) stack, docs/figures/hbm/jax-<jax>_libtpu-<libtpu>.json,
 # written by `recloss-bench --topology ... --record docs/figures/hbm` on each leg (minutes of v6e compiles each),
 # then rendered into README.md's marked block (the docs render theirs at build time). FIGURE_VENVS=.venv312 re-records one leg;
@@ -64,6 +68,14 @@ figures: $(addsuffix /.installed,$(FIGURE_VENVS))
 	    --record docs/figures/hbm || exit 1; \
 	done
 	$(PY) -m recloss.bench.figures
+
+# The pod-step tables (docs/sharding.md): the whole train step compiled per row, on each leg, into
+# docs/figures/pod/jax-<jax>_libtpu-<libtpu>.json (~1 min a row; tests/test_pod_step.py checks against them).
+.PHONY: pod-figures
+pod-figures: $(addsuffix /.installed,$(FIGURE_VENVS))
+	for v in $(FIGURE_VENVS); do \
+	  JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $$v/bin/python -m recloss_plugins.sasrec.pod_figures --record docs/figures/pod || exit 1; \
+	done
 
 # The quality-vs-cost table (docs/choosing-a-loss.md): one recloss-train run per loss on the same
 # data, model, steps and seed. DATA=path/to/log.csv runs it on an interactions file instead of the

@@ -205,6 +205,76 @@ def test_cpu_table_renders_its_results_file(tmp_path):
         figures.render_readme("<!-- figures:nope cpu -->\n<!-- /figures:nope -->")
 
 
+def _pod_records(tmp_path, stacks):
+    """Fake pod records under tmp_path/pod: stack i's row j needs (j + 1) + i/10 GiB."""
+    pod = tmp_path / "pod"
+    pod.mkdir()
+    for i, stack in enumerate(stacks):
+        rows = [dict(config=config, overrides=list(row.overrides), hbm_bytes=int((j + 1 + i / 10) * 2**30),
+                     temp_bytes=2**29) for j, (config, row) in enumerate(figures.pod_rows().values())]
+        figures.record_pod(rows, pod, stack=stack)
+    return pod
+
+
+def test_pod_tables_render_a_column_per_record(tmp_path):
+    """Each pod table's cell is its row's record figure, one column per stack the marker names; the
+    commands above it are the rows' recloss-train lines; a missing row names the recording command."""
+    other = dict(STACK, python="3.12.1", jax="9.9.10", libtpu="0.0.2")
+    pod = _pod_records(tmp_path, [STACK, other])
+    stems = [figures.stack_id(STACK), figures.stack_id(other)]
+    block = f"<!-- figures:pod-v5e pod={','.join(stems)} -->\n<!-- /figures:pod-v5e -->"
+    text = figures.render_readme(f"intro\n{block}\nafter\n", figures_dir=tmp_path)
+    table = figures.POD_TABLES["pod-v5e"]
+    first = list(figures.pod_rows()).index(table.rows[0].name)
+    assert f"| {' | '.join(table.rows[0].cells)} | {first + 1:.2f} GiB (temporaries 0.50) | " \
+           f"{first + 1.1:.2f} GiB (temporaries 0.50) |" in text
+    assert "per-chip HBM, jax 9.9.9, libtpu 0.0.1 (Python 3.11)" in text and "(Python 3.12)" in text
+    for line in table.command_lines():
+        assert line in text and line.startswith("recloss-train configs/sasrec_yambda.yml loss=cutbce_pallas")
+    assert figures.render_readme(text, figures_dir=tmp_path) == text   # rendering is idempotent
+    path = pod / f"{stems[1]}.json"
+    data = json.loads(path.read_text())
+    data["rows"] = [r for r in data["rows"] if r["overrides"] != list(table.rows[1].overrides)]
+    path.write_text(json.dumps(data))
+    with pytest.raises(figures.RecordError, match=rf"{stems[1]}\.json has no row '{table.rows[1].name}'.*pod_figures --record"):
+        figures.render_pod_table("pod-v5e", stems, pod)
+    with pytest.raises(figures.RecordError, match="figures:nope pod=... names no pod table"):
+        figures.render_readme(f"<!-- figures:nope pod={stems[0]} -->\n<!-- /figures:nope -->", figures_dir=tmp_path)
+
+
+def test_pod_record_merges_by_config_and_overrides(tmp_path):
+    rows = [dict(config="c.yml", overrides=["a=1"], hbm_bytes=1, temp_bytes=0),
+            dict(config="c.yml", overrides=["a=1", "b=2"], hbm_bytes=2, temp_bytes=0)]
+    figures.record_pod(rows, tmp_path, stack=STACK)
+    path, replaced, added = figures.record_pod([dict(rows[0], hbm_bytes=5)], tmp_path, stack=STACK)
+    assert (replaced, added) == (1, 0)
+    stack, by = figures.load_pod(path)
+    assert stack["jax"] == "9.9.9" and {k: r["hbm_bytes"] for k, r in by.items()} == {
+        ("c.yml", ("a=1",)): 5, ("c.yml", ("a=1", "b=2")): 2}
+    with pytest.raises(figures.RecordError, match="not this stack"):
+        figures._merge(path, dict(STACK, jax="1.0"), rows, lambda r: 0, ())
+
+
+def test_pod_figures_refuses_bad_arguments_before_compiling(tmp_path, capsys):
+    from recloss_plugins.sasrec import pod_figures
+    with pytest.raises(SystemExit):
+        pod_figures.main(["--record", str(tmp_path), "--only", "no such row"])
+    assert "--only 'no such row' names no pod row (known: v6e-8 paper step, dense_bce;" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pod_figures.main(["--record", str(tmp_path / "x.json")])
+    assert "expects a directory" in capsys.readouterr().err
+
+
+def test_the_docs_pod_blocks_name_the_test_legs_records():
+    """docs/sharding.md renders each pod table once, from records that exist for both legs."""
+    text = (figures.ROOT / "docs" / "sharding.md").read_text()
+    found = {m["name"]: m["stacks"].split(",") for m in figures._POD_BLOCK.finditer(text)}
+    assert set(found) == set(figures.POD_TABLES), found
+    for stems in found.values():
+        assert len(stems) == 2 and all((figures.POD_DIR / f"{s}.json").is_file() for s in stems), stems
+    figures.render_readme(text)        # every row of every table is recorded
+
+
 def test_a_cpu_run_writes_what_the_table_renders(tmp_path, capsys):
     """`recloss-bench --json` keeps what the printed table needs: the docs render the same text."""
     table = figures.CPU_TABLES["cpu-bce"]

@@ -145,19 +145,23 @@ def _locked(directory: Path):
 
 
 def _record(rows, objective, path: Path, stack: dict):
+    rows = [dict(row, objective=objective, options=row.get("options", {})) for row in rows]
+    return _merge(path, stack, rows, row_key, KEY_FIELDS + MEASURED)
+
+
+def _merge(path: Path, stack: dict, rows, key, first: Sequence[str]):
+    """Rows into the record at ``path`` (created for ``stack``), by ``key``; fields ``first`` lead."""
     data = load(path) if path.exists() else dict(format=FORMAT, stack=stack, rows=[])
     old = data.get("stack", {})
     if (old.get("jax"), old.get("libtpu")) != (stack["jax"], stack["libtpu"]):
         raise RecordError(f"{path} records jax {old.get('jax')} / libtpu {old.get('libtpu')}, "
                           f"not this stack (jax {stack['jax']} / libtpu {stack['libtpu']})")
     data["stack"] = stack           # python, jaxlib, tokamax: as of the latest recording
-    index = {row_key(r): i for i, r in enumerate(data["rows"])}
+    index = {key(r): i for i, r in enumerate(data["rows"])}
     replaced = added = 0
     for row in rows:
-        row = dict(row, objective=objective, options=row.get("options", {}))
-        first = KEY_FIELDS + MEASURED
         row = {**{k: row[k] for k in first if k in row}, **{k: v for k, v in row.items() if k not in first}}
-        k = row_key(row)
+        k = key(row)
         if k in index:
             data["rows"][index[k]] = row
             replaced += 1
@@ -212,14 +216,18 @@ class CpuTable:
     (timings are this machine's, not a stack's)."""
     file: str                    # under docs/figures: 'cpu/bce.json'
     args: str = ""               # recloss-bench arguments besides --json
+    target: str = "bench"        # the make target: 'bench-py312' runs the Python 3.12 venv (Tokamax)
 
     def command(self) -> str:
         extra = f"{self.args} " if self.args else ""
-        return f'make bench BENCH_ARGS="{extra}--json docs/figures/{self.file}"'
+        return f'make {self.target} BENCH_ARGS="{extra}--json docs/figures/{self.file}"'
 
 
 CPU_TABLES: Dict[str, CpuTable] = {
     "cpu-bce": CpuTable("cpu/bce.json"),
+    # Tokamax takes one label per position: its peer rows need --labels 1 and Python >= 3.12.
+    "cpu-softmax-l1": CpuTable("cpu/softmax-l1.json", "--objective softmax --labels 1 --repeats 7", "bench-py312"),
+    "cpu-softmax": CpuTable("cpu/softmax.json", "--objective softmax --repeats 7", "bench-py312"),
 }
 
 
@@ -369,7 +377,127 @@ def render_cpu_runs(name: str, figures_dir: Optional[Path] = None) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- the pod-step tables
+POD_DIR = FIGURES_DIR / "pod"
+POD_RECORD = "python -m recloss_plugins.sasrec.pod_figures --record docs/figures/pod"
+POD_MAKE = "make pod-figures"
+
+
+@dataclasses.dataclass(frozen=True)
+class PodRow:
+    """One row of a pod-step table: `recloss-train CONFIG OVERRIDES` with ``compile_topology`` set,
+    i.e. the whole train step (model, loss, AdamW update) compiled for the pod's chips."""
+    name: str                    # how tests and the recorder name it
+    cells: Tuple[str, ...]       # the leading cells: what the row is
+    overrides: Tuple[str, ...]   # recloss-train key=value after the config
+    cited: Tuple[str, ...] = ()  # trailing cells that are not ours to measure (the paper's figures)
+    pinned: bool = False         # tests/test_pod_step.py recompiles it against the record (5 %)
+
+
+@dataclasses.dataclass(frozen=True)
+class PodTable:
+    config: str
+    header: Tuple[str, ...]      # headers of the leading cells
+    rows: Tuple[PodRow, ...]
+    cited_header: Tuple[str, ...] = ()
+
+    def command_lines(self) -> List[str]:
+        return [f"recloss-train {self.config} {' '.join(r.overrides)}" for r in self.rows]
+
+
+_V6E = ("compile_topology=v6e-8",)
+_FSDP8 = ("ici_data_parallelism=1", "ici_fsdp_parallelism=8")
+_V5E = ("compile_topology=v5e-256", "global_batch_size=1024")
+POD_TABLES: Dict[str, PodTable] = {
+    "pod-paper": PodTable("configs/sasrec_yambda.yml", ("loss", "mesh (data, fsdp, vocab)"), (
+        PodRow("v6e-8 paper step, dense_bce", ("`dense_bce`", "(8, 1, 1)"), ("loss=dense_bce", *_V6E),
+               ("22.37 GiB (Keras BCE)",)),
+        PodRow("v6e-8 paper step, data parallel", ("`cutbce_pallas`", "(8, 1, 1)"), ("loss=cutbce_pallas", *_V6E),
+               ("7.67 GiB (CutBCE)",), pinned=True),
+        PodRow("v6e-8 paper step, fsdp 8", ("`cutbce_pallas`", "(1, 8, 1), table sharded over fsdp"),
+               ("loss=cutbce_pallas", *_V6E, *_FSDP8), ("–",)),
+        PodRow("v6e-8 paper step, fsdp 8 ring", ("`cutbce_pallas`, `loss_fsdp_gather=ring`",
+                                                 "(1, 8, 1), table sharded over fsdp"),
+               ("loss=cutbce_pallas", *_V6E, *_FSDP8, "loss_fsdp_gather=ring"), ("–",), pinned=True),
+        PodRow("v6e-8 paper step, vocab 8", ("`cutbce_pallas`", "(1, 1, 8), table over 8 vocab shards"),
+               ("loss=cutbce_pallas", *_V6E, "ici_data_parallelism=1", "ici_vocab_parallelism=8"), ("–",),
+               pinned=True),
+        PodRow("v6e-8 paper step, batch 1024", ("`cutbce_pallas`, global batch **1024**", "(8, 1, 1)"),
+               ("loss=cutbce_pallas", *_V6E, "global_batch_size=1024"), ("OOM for BCE at 128",)),
+    ), ("paper (measured on TPU)",)),
+    "pod-v5e": PodTable("configs/sasrec_yambda.yml", ("table", "mesh (data, fsdp, vocab)"), (
+        PodRow("v5e-256 V=1e7, vocab 8", ("V = 10^7", "data 32 × vocab 8"),
+               ("loss=cutbce_pallas", *_V5E, "vocab_size=10000000", "ici_data_parallelism=32",
+                "ici_vocab_parallelism=8")),
+        PodRow("v5e-256 V=1e7, fsdp 8 ring", ("V = 10^7", "data 32 × fsdp 8, `loss_fsdp_gather=ring`"),
+               ("loss=cutbce_pallas", *_V5E, "vocab_size=10000000", "ici_data_parallelism=32",
+                "ici_fsdp_parallelism=8", "loss_fsdp_gather=ring"), pinned=True),
+        PodRow("v5e-256 V=1e8, vocab 64", ("V = 10^8", "data 4 × vocab 64"),
+               ("loss=cutbce_pallas", *_V5E, "vocab_size=100000000", "ici_data_parallelism=4",
+                "ici_vocab_parallelism=64")),
+    )),
+}
+
+
+def pod_rows() -> Dict[str, Tuple[str, PodRow]]:
+    """{row name: (config, row)} over every pod table."""
+    return {r.name: (t.config, r) for t in POD_TABLES.values() for r in t.rows}
+
+
+def pod_key(config: str, overrides: Sequence[str]) -> Tuple[str, Tuple[str, ...]]:
+    return config, tuple(overrides)
+
+
+def load_pod(path: Path) -> Tuple[dict, Dict[Tuple, dict]]:
+    """(stack, {pod_key: recorded row}) of a pod record file (`load`'s format: stack + rows)."""
+    data = load(path)
+    return data["stack"], {pod_key(r["config"], r["overrides"]): r for r in data["rows"]}
+
+
+def record_pod(rows: Sequence[dict], records_dir, stack: Optional[dict] = None) -> Tuple[Path, int, int]:
+    """Merges pod-step ``rows`` ({config, overrides, *_bytes, ...}) into this stack's file under
+    ``records_dir``, a row of the same (config, overrides) replaced in place. Returns (path, replaced, added)."""
+    stack = current_stack() if stack is None else stack
+    with _locked(Path(records_dir)):
+        path = Path(records_dir) / f"{stack_id(stack)}.json"
+        return _merge(path, stack, rows, lambda r: pod_key(r["config"], r["overrides"]),
+                      ("config", "overrides", "hbm_bytes", "temp_bytes"))
+
+
+def render_pod_table(name: str, stacks: Sequence[str], records_dir: Optional[Path] = None) -> str:
+    """The block of pod table ``name``: a column of per-chip HBM per record ``stacks`` (file stems)."""
+    table = POD_TABLES[name]
+    base = Path(POD_DIR if records_dir is None else records_dir)
+    gib = lambda b: f"{b / 2**30:.2f}"
+    columns, heads = [], []
+    for stack in stacks:
+        path = base / f"{stack}.json"
+        st, by = load_pod(path)
+        heads.append(f"jax {st['jax']}, libtpu {st['libtpu']} (Python {st['python'].rsplit('.', 1)[0]})")
+        cells = []
+        for row in table.rows:
+            rec = by.get(pod_key(table.config, row.overrides))
+            if rec is None:
+                raise RecordError(f"{path} has no row {row.name!r} of table {name} "
+                                  f"({table.config} {' '.join(row.overrides)}): record it on that stack "
+                                  f"with `{POD_RECORD}`")
+            cells.append(f"{gib(rec['hbm_bytes'])} GiB (temporaries {gib(rec['temp_bytes'])})")
+        columns.append(cells)
+    rels = ", ".join(f"[`{s}.json`](docs/figures/pod/{s}.json)" for s in stacks)
+    header = [*table.header, *(f"per-chip HBM, {h}" for h in heads), *table.cited_header]
+    lines = ["```sh", *table.command_lines(),
+             f"{POD_MAKE}   # records every row above on both legs ({POD_RECORD} on one venv)", "```", "",
+             f"Recorded in {rels}:", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, row in enumerate(table.rows):
+        lines.append("| " + " | ".join([*row.cells, *(c[i] for c in columns), *row.cited]) + " |")
+    return "\n".join(lines)
+
+
 _CPU_BLOCK = re.compile(r"(?P<start><!-- figures:(?P<name>[\w.-]+) cpu -->\n)(?P<body>.*?)"
+                        r"(?P<end><!-- /figures:(?P=name) -->)", re.S)
+
+_POD_BLOCK = re.compile(r"(?P<start><!-- figures:(?P<name>[\w.-]+) pod=(?P<stacks>[\w.+,-]+) -->\n)(?P<body>.*?)"
                         r"(?P<end><!-- /figures:(?P=name) -->)", re.S)
 
 # A block's body (empty as committed in docs/, rendered in README.md) lies between its two marker lines.
@@ -381,7 +509,8 @@ def render_readme(text: str, records_dir: Optional[Path] = None, stacks: Optiona
                   figures_dir: Optional[Path] = None) -> str:
     """``text`` with every marked block re-rendered: ``<!-- figures:NAME stack=STACK -->`` from the
     per-chip HBM records (``records_dir``, default ``<figures_dir>/hbm``; ``stacks``: {name: stack}
-    overrides the markers'), ``<!-- figures:NAME cpu -->`` from ``<figures_dir>/<file>`` (default docs/figures)."""
+    overrides the markers'), ``<!-- figures:NAME cpu -->`` from ``<figures_dir>/<file>`` (default docs/figures),
+    ``<!-- figures:NAME pod=STACK,STACK -->`` from ``<figures_dir>/pod/STACK.json``, one column per stack."""
     stacks = dict(stacks or {})
     seen = set()
 
@@ -403,9 +532,16 @@ def render_readme(text: str, records_dir: Optional[Path] = None, stacks: Optiona
                               f"(known: {', '.join([*CPU_TABLES, *CPU_RUNS])})")
         return m.group("start") + render_cpu_table(name, figures_dir) + "\n" + m.group("end")
 
+    def sub_pod(m):
+        name = m.group("name")
+        if name not in POD_TABLES:
+            raise RecordError(f"block figures:{name} pod=... names no pod table (known: {', '.join(POD_TABLES)})")
+        pod_dir = None if figures_dir is None else Path(figures_dir) / "pod"
+        return m.group("start") + render_pod_table(name, m.group("stacks").split(","), pod_dir) + "\n" + m.group("end")
+
     if records_dir is None and figures_dir is not None:
         records_dir = Path(figures_dir) / "hbm"
-    out = _CPU_BLOCK.sub(sub_cpu, _BLOCK.sub(sub, text))
+    out = _POD_BLOCK.sub(sub_pod, _CPU_BLOCK.sub(sub_cpu, _BLOCK.sub(sub, text)))
     unknown = set(stacks) - seen
     if unknown:
         raise RecordError(f"README has no figures block {', '.join(sorted(unknown))}")

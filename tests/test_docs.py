@@ -99,7 +99,8 @@ def _paper_row(data):
 
 
 def test_a_record_changed_by_hand_changes_the_rendered_page(site, tmp_path):
-    """The benchmark tables are rendered from docs/figures (hbm/, cpu/) at build time, not typed into the page."""
+    """The benchmark tables are rendered from docs/figures (hbm/, cpu/, pod/, data/) at build time, not
+    typed into the page."""
     from recloss.bench import figures
     stack = "jax-0.10.2_libtpu-0.0.42.1"
     data = json.loads((figures.RECORDS_DIR / f"{stack}.json").read_text())
@@ -116,9 +117,25 @@ def test_a_record_changed_by_hand_changes_the_rendered_page(site, tmp_path):
     (copy / "hbm" / f"{stack}.json").write_text(figures.dumps(data))
     cpu["rows"][0]["median_s"] = 98.765
     (copy / figures.CPU_TABLES["cpu-bce"].file).write_text(json.dumps(cpu))
-    html = (_build(tmp_path / "html", {"RECLOSS_FIGURES_DIR": str(copy)}) / "benchmarks.html").read_text()
+    pod = json.loads((figures.POD_DIR / f"{stack}.json").read_text())
+    config, dp = figures.pod_rows()["v6e-8 paper step, data parallel"]
+    pod_row = next(r for r in pod["rows"] if figures.pod_key(r["config"], r["overrides"]) ==
+                   figures.pod_key(config, dp.overrides))
+    pod_gib = pod_row["hbm_bytes"] / 2**30
+    assert f"<td><p>{pod_gib:.2f} GiB" in (site / "sharding.html").read_text()
+    pod_row["hbm_bytes"] = int(54.321 * 2**30)
+    (copy / "pod" / f"{stack}.json").write_text(figures.dumps(pod))
+    from recloss_plugins.sasrec import figures as run_figures
+    bench_file = copy / run_figures.RUN_TABLES["input-bench"].file
+    bench = json.loads(bench_file.read_text())
+    bench["read"][0]["sequences_per_s"] = 12345.6
+    bench_file.write_text(json.dumps(bench))
+    out = _build(tmp_path / "html", {"RECLOSS_FIGURES_DIR": str(copy)})
+    html = (out / "benchmarks.html").read_text()
     assert "<td><p>12.345</p></td>" in html and f"<td><p>{gib:.3f}</p></td>" not in html
     assert "<td><p>98.765</p></td>" in html and f"<td><p>{median:.3f}</p></td>" not in html
+    assert "<td><p>54.32 GiB (temporaries" in (out / "sharding.html").read_text()
+    assert "12,346 and " in (out / "data.html").read_text()
 
 
 # ----------------------------------------------------------------------------- shell blocks
@@ -181,8 +198,12 @@ def test_every_shell_command_names_programs_flags_and_keys_that_exist():
     keys are checked against the parsers that would read them."""
     makefile_targets = set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), re.M))
     checked, problems = 0, []
+    from recloss.bench import figures
+    from recloss_plugins.sasrec import figures as run_figures
     for page in PAGES:
-        for words, expected in shell_commands(page.read_text(encoding="utf-8")):
+        # As rendered: the commands above each benchmark table are checked too.
+        text = run_figures.render(figures.render_readme(page.read_text(encoding="utf-8")))
+        for words, expected in shell_commands(text):
             try:
                 problem = _check_command(words, makefile_targets)
                 if expected:

@@ -1,16 +1,19 @@
 """Fills each page's ``<!-- figures:NAME ... -->`` blocks from the results files at build time.
 
 A page commits only the empty block; `recloss.bench.figures.render_readme` renders the table from
-``docs/figures/hbm/STACK.json`` (``stack=STACK``: per-chip HBM) or the CPU table's JSON under
-``docs/figures/cpu`` (``cpu``) when Sphinx reads the page, so changing a results file changes the page.
+``docs/figures/hbm/STACK.json`` (``stack=STACK``: per-chip HBM), the CPU table's JSON under
+``docs/figures/cpu`` (``cpu``) or the pod-step records under ``docs/figures/pod`` (``pod=STACK,...``),
+and `recloss_plugins.sasrec.figures.render` the trainer's runs (``run``), when Sphinx reads the
+page, so changing a results file changes the page.
 """
 
 import os
 from pathlib import Path
 
 from recloss.bench import figures
+from recloss_plugins.sasrec import figures as run_figures
 
-# RECLOSS_FIGURES_DIR: render from another figures folder (hbm/, cpu/; the docs test edits a copy).
+# RECLOSS_FIGURES_DIR: render from another figures folder (hbm/, cpu/, pod/, data/; the docs test edits a copy).
 ENV = "RECLOSS_FIGURES_DIR"
 
 
@@ -18,8 +21,10 @@ def _fill(app, docname, source):
     text = source[0]
     if "<!-- figures:" not in text:
         return
+    where = Path(os.environ[ENV]) if os.environ.get(ENV) else None
+    text = run_figures.render(figures.render_readme(text, figures_dir=where), where)
     # Rendered for README.md at the repository root: its links into docs/ are relative to docs/ here.
-    source[0] = figures.render_readme(text, figures_dir=Path(os.environ[ENV]) if os.environ.get(ENV) else None).replace("](docs/", "](")
+    source[0] = text.replace("](docs/", "](")
 
 
 def setup(app):

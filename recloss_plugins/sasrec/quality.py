@@ -1,6 +1,6 @@
 """The quality-vs-cost table: `recloss-train` on one data set, varying only the loss.
 
-    python -m recloss_plugins.sasrec.quality [config.yml] [key=value ...] [--hbm] [--out table.md]
+    python -m recloss_plugins.sasrec.quality [config.yml] [key=value ...] [--hbm] [--out table.md] [--json run.json]
     make quality                       # the embedded synthetic data (configs/base.yml)
     make quality DATA=path/to/log.csv  # any interactions file (dataset_type=interactions)
 
@@ -15,6 +15,8 @@ One seed, one data set: differences smaller than seed noise are not findings.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import subprocess
 import sys
@@ -37,7 +39,10 @@ ROWS: List[Tuple[str, Tuple[str, ...]]] = [
     ("sampled_softmax K=128", ("loss=sampled_softmax", "num_negatives=128")),
     ("sampled_softmax K=1024", ("loss=sampled_softmax", "num_negatives=1024")),
     # gSASRec draws its negatives uniformly (β calibrates for that rate); gbce applies no logQ correction.
-    ("gbce K=128", ("loss=gbce", "num_negatives=128", "sampled_proposal=uniform")),
+    ("gbce K=128, uniform negatives", ("loss=gbce", "num_negatives=128", "sampled_proposal=uniform")),
+    # ... and what drawing them from the counts instead does to it.
+    ("gbce K=128, negatives from counts (no correction)", ("loss=gbce", "num_negatives=128",
+                                                           "sampled_proposal=counts")),
     ("dense_bce", ("loss=dense_bce",)),
 ]
 # The table's defaults on top of the user's config: modest steps so it runs in minutes on a CPU.
@@ -46,6 +51,7 @@ DEFAULTS = ("steps=300", "eval_top_k=10", "enable_checkpointing=false", "enable_
 YAMBDA = Path(__file__).resolve().parents[2] / "configs" / "sasrec_yambda.yml"
 # The v6e-8 rows use the paper's loss kernels where one exists (as configs/sasrec_yambda.yml does).
 HBM_LOSS = {"cutbce": "cutbce_pallas", "cutce": "cutce_pallas"}
+NOT_RUN = "not run (--hbm)"
 
 
 def steps_per_second(result, ds, repeats: int = 10) -> float:
@@ -99,7 +105,7 @@ def run_table(config: List[str], *, hbm: bool, hbm_timeout_s: float = 900.0, log
             row[f"{split}_ndcg"] = res.evals[split][f"ndcg@{k}"]
         row["steps_per_s"] = steps_per_second(res, ds)
         row["temp_mib"] = memory_report(res.program.compiled_train_step()).get("temp", float("nan")) / 2**20
-        row["v6e8_gib"] = v6e8_hbm(args, hbm_timeout_s) if hbm else "not run (--hbm)"
+        row["v6e8_gib"] = v6e8_hbm(args, hbm_timeout_s) if hbm else NOT_RUN
         log(f"{label}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in row.items() if k != "loss"))
         rows.append(row)
@@ -107,12 +113,22 @@ def run_table(config: List[str], *, hbm: bool, hbm_timeout_s: float = 900.0, log
 
 
 def markdown(rows: List[Dict], k: int = 10) -> str:
+    """The table; the v6e-8 column only when a row compiled for it (``--hbm``)."""
+    hbm = any(r["v6e8_gib"] != NOT_RUN for r in rows)
     head = (f"| loss | dev Hit@{k} | dev NDCG@{k} | test Hit@{k} | test NDCG@{k} | train steps/s | "
-            "per-device temp (MiB) | v6e-8 per-chip HBM, SASRec-Yambda (GiB) |\n|---|---|---|---|---|---|---|---|")
-    lines = [head] + [
+            "per-device temp (MiB) |" + (" v6e-8 per-chip HBM, SASRec-Yambda (GiB) |" if hbm else ""))
+    lines = [head, "|" + "---|" * head.count(" |")] + [
         f"| {r['loss']} | {r['dev_hit']:.4f} | {r['dev_ndcg']:.4f} | {r['test_hit']:.4f} | {r['test_ndcg']:.4f} "
-        f"| {r['steps_per_s']:.1f} | {r['temp_mib']:.1f} | {r['v6e8_gib']} |" for r in rows]
+        f"| {r['steps_per_s']:.1f} | {r['temp_mib']:.1f} |" + (f" {r['v6e8_gib']} |" if hbm else "") for r in rows]
     return "\n".join(lines)
+
+
+def format_run(data: Dict) -> str:
+    """A ``--json`` file as the table and a line saying what ran (docs/choosing-a-loss.md renders it)."""
+    info = data["info"]
+    return (markdown(data["rows"], info["eval_top_k"]) + "\n\n"
+            f"{len(data['rows'])} runs of {info['steps']} steps in {info['total_s']:.0f} s on "
+            f"{info['cpu_count']} CPU cores (jax {info['jax_version']}): {' '.join(info['config'])}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -121,18 +137,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--hbm", action="store_true", help="also compile each row for v6e-8 (SASRec-Yambda)")
     p.add_argument("--hbm-timeout", type=float, default=900.0, help="seconds per v6e-8 compile")
     p.add_argument("--out", help="write the markdown table here too")
+    p.add_argument("--json", help="write the rows and what ran as JSON here (the docs render it)")
     a = p.parse_args(argv)
     config = list(a.config)
     if not config or "=" in config[0]:
         config = [str(default_config_path())] + config
     t0 = time.perf_counter()
     rows = run_table(config, hbm=a.hbm, hbm_timeout_s=a.hbm_timeout, log=lambda *x: print(*x, flush=True))
-    table = markdown(rows)
+    first = load_config([*config[:1], *DEFAULTS, *config[1:]])
+    info = dict(config=[_shown(config[0]), *DEFAULTS, *config[1:]], steps=first.steps,
+                eval_top_k=first.eval_top_k, total_s=round(time.perf_counter() - t0),
+                cpu_count=os.cpu_count(), jax_version=jax.__version__)
+    table = markdown(rows, first.eval_top_k)
     print(table)
-    print(f"quality table: {len(rows)} runs in {time.perf_counter() - t0:.0f}s")
+    print(f"quality table: {len(rows)} runs in {info['total_s']}s")
     if a.out:
         Path(a.out).write_text(table + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+        print(f"wrote {a.json}", file=sys.stderr)
     return 0
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the repository when it lies inside it (a results file names no home dir)."""
+    try:
+        return str(Path(path).resolve().relative_to(YAMBDA.parents[1]))
+    except ValueError:
+        return path
 
 
 if __name__ == "__main__":

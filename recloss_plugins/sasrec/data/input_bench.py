@@ -1,13 +1,16 @@
 """Input-pipeline benchmark: a generated interaction log -> recloss-prepare-data -> 2 training processes.
 
-    python -m recloss_plugins.sasrec.data.input_bench --events 20000000 --dir /tmp/recloss_input_bench
+    python -m recloss_plugins.sasrec.data.input_bench --events 20000000 --dir /tmp/recloss_input_bench \
+        [--memory] [--json summary.json]
 
 Writes a synthetic Parquet log of ``--events`` events (power-law users and items, in row groups,
 never whole in memory) under ``--dir``, prepares it in a child process (wall time, peak RSS),
 reads the train stream of each of 2 processes alone (sequences/s of the Grain pipeline, no model),
 and trains the default model (configs/base.yml) for ``--steps`` steps as 2 processes × 4 CPU
-devices through launch/local.py (steps/s, peak RSS of each process). Prints one JSON summary.
-Not a test: it takes minutes and a few GiB of disk.
+devices through launch/local.py (steps/s after the first logging window, which holds the compile;
+peak RSS of each process); ``--memory`` trains again with ``data_pipeline=memory`` (every process
+loads the whole log) for its RSS. Prints the summary as a table (`format_summary`), and ``--json``
+writes it for docs/data.md to render. Not a test: it takes minutes and a few GiB of disk.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -23,7 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
+from recloss_plugins.config import load_config
+
 REPO = Path(__file__).resolve().parents[3]
+# A logging window's rate in the trainer's log line ("... | 0.17 steps/s | ...").
+RATE = re.compile(r"\| ([0-9.]+) steps/s \|")
 
 
 def write_log(path: Path, events: int, users: int, items: int, seed: int = 0, chunk: int = 2_000_000):
@@ -70,14 +78,15 @@ def _train_mode(args, rest):
     """Child (one of 2 launch/local.py processes): train ``args.steps`` steps, no final eval."""
     import jax
 
-    from recloss_plugins.config import load_config
     from recloss_plugins.sasrec import distributed, train
 
     distributed.initialize_from_env()
     lines = []
     res = train.train(load_config(rest), stop_after=args.steps, log=lambda *a: lines.append(" ".join(map(str, a))))
+    # Each logging window's rate; the first holds the compile.
+    rates = [float(m.group(1)) for line in lines for m in [RATE.search(line)] if m]
     print(json.dumps({"process": jax.process_index(), "peak_rss_mib": _peak_rss_mib(), "steps": res.steps_done,
-                      "log": lines[-3:]}), flush=True)
+                      "steps_per_s": rates[1:] or rates, "log": lines[-3:]}), flush=True)
 
 
 def main(argv=None):
@@ -95,7 +104,11 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=32)
     p.add_argument("--num-labels", type=int, default=8)
+    p.add_argument("--memory", action="store_true", help="also train with data_pipeline=memory (its RSS)")
+    p.add_argument("--json", default=None, help="also write the summary as JSON to this path")
     args, rest = p.parse_known_args(argv)
+    if args.steps < 3:
+        p.error(f"--steps must be >= 3 (three logging windows; the first holds the compile), got {args.steps}")
     if args.mode == "read":
         return _read_mode(args)
     if args.mode == "train":
@@ -134,16 +147,64 @@ def main(argv=None):
         if r.returncode:
             raise SystemExit(r.stdout + r.stderr)
         out["read"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    out.update(steps=args.steps, train_batch=load_config(cfg).global_batch_size, read_threads=args.threads)
+    out["train"] = _train(me, args, cfg, root, env, "grain")
+    if args.memory:
+        out["train_memory"] = _train(me, args, cfg, root, env, "memory")
+    print(format_summary(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+
+
+def _train(me, args, cfg, root: Path, env, pipeline: str):
+    """[per-process summary] of ``args.steps`` steps as 2 processes x 4 CPU devices."""
+    print(f"training {args.steps} steps, 2 processes x 4 devices, data_pipeline={pipeline} ...",
+          file=sys.stderr, flush=True)
     r = subprocess.run([sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-d", "4", "--exec", "--",
-                        *me, "--mode", "train", "--steps", str(args.steps), *cfg, "run_name=bench",
-                        f"base_output_directory={root / 'runs'}", "enable_checkpointing=false",
-                        "enable_tensorboard=false", f"log_period={max(args.steps // 3, 1)}"],
+                        *me, "--mode", "train", "--steps", str(args.steps), *cfg, f"data_pipeline={pipeline}",
+                        f"run_name=bench-{pipeline}", f"base_output_directory={root / 'runs'}",
+                        "enable_checkpointing=false", "enable_tensorboard=false",
+                        f"log_period={max(args.steps // 3, 1)}"],
                        capture_output=True, text=True, env=env, cwd=REPO)
     if r.returncode:
         raise SystemExit(r.stdout[-4000:] + r.stderr[-4000:])
-    out["train"] = [json.loads(line.split("] ", 1)[1]) for line in r.stdout.splitlines()
-                    if "] {" in line and '"peak_rss_mib"' in line]
-    print(json.dumps(out, indent=1))
+    found = sorted((json.loads(line.split("] ", 1)[1]) for line in r.stdout.splitlines()
+                   if "] {" in line and '"peak_rss_mib"' in line), key=lambda d: d["process"])
+    if len(found) != 2 or not found[0]["steps_per_s"]:      # process 0 logs; both report their RSS
+        raise SystemExit(f"expected a summary from each of 2 processes, with steps/s from process 0; got "
+                         f"{found}:\n{r.stdout[-4000:]}")
+    return found
+
+
+def format_summary(out: dict) -> str:
+    """The summary as a two-column Markdown table (docs/data.md renders it from the --json file)."""
+    def each(rows, key, fmt="{:,.0f}"):
+        return " and ".join(fmt.format(r[key]) for r in rows)
+
+    rates = [x for r in out["train"] for x in r["steps_per_s"]]
+    per_seq = out["train_batch"] / 2          # each process feeds half the global batch
+    slowest_read = min(r["sequences_per_s"] for r in out["read"])
+    fed = max(rates) * per_seq
+    lines = [
+        "| | |", "|---|---|",
+        f"| log | {out['events']:,} events (Parquet, {out['log_mib']:.0f} MiB; power-law users and items) |",
+        f"| prepared | {out['prepare_summary'].split(': ', 1)[-1]} |",
+        f"| preparation | {out['prepare_s']:.1f} s wall (a child process, start-up included), "
+        f"peak RSS {out['prepare_peak_rss_mib']:,.0f} MiB |",
+        f"| Grain input alone, per process (of 2; {out['read_threads']} read threads) | "
+        f"{each(out['read'], 'sequences_per_s')} sequences/s |",
+        f"| training, 2 processes × 4 CPU devices, configs/base.yml (global batch {out['train_batch']}), "
+        f"{out['steps']} steps | {min(rates):.2f}–{max(rates):.2f} steps/s after the compile: "
+        f"~{fed:.1f} sequences/s per process |",
+        f"| peak RSS per training process (`data_pipeline=grain`) | {each(out['train'], 'peak_rss_mib')} MiB |",
+    ]
+    if out.get("train_memory"):
+        lines.append(f"| the same with `data_pipeline=memory` (every process loads the whole log) | "
+                     f"{each(out['train_memory'], 'peak_rss_mib')} MiB |")
+    lines += ["", f"Input outpaces training by a factor of ~{slowest_read / fed:,.0f} per process here "
+                  f"({slowest_read:,.0f} vs {fed:.1f} sequences/s)."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

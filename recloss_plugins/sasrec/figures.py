@@ -1,0 +1,66 @@
+"""The trainer's figures in the docs: tables whose runs need recloss_plugins, rendered from JSON.
+
+A page commits the empty block ``<!-- figures:NAME run -->`` … ``<!-- /figures:NAME -->``; `render`
+fills it from ``docs/figures/<file>`` with the same function that prints the table when the run's
+command is run (`recloss.bench.figures` does the same for the library's benchmarks), so rerunning
+the command shown above a table is how its figures change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+from pathlib import Path
+from typing import Dict, Optional
+
+from recloss.bench.figures import FIGURES_DIR, RecordError
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTable:
+    file: str           # under docs/figures
+    command: str        # what writes it
+    formatter: str      # "module:function" of the results dict -> Markdown (what the run prints)
+
+    def render(self, figures_dir: Optional[Path] = None) -> str:
+        path = Path(FIGURES_DIR if figures_dir is None else figures_dir) / self.file
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise RecordError(f"cannot read results file {path} ({err}): write it with `{self.command}`") from err
+        module, _, name = self.formatter.partition(":")
+        try:
+            body = getattr(importlib.import_module(module), name)(data)
+        except (KeyError, TypeError, ValueError) as err:
+            raise RecordError(f"results file {path} lacks what its table needs ({type(err).__name__}: {err}): "
+                              f"rerun `{self.command}`") from err
+        rel = f"docs/figures/{self.file}"
+        return "\n".join(["```sh", self.command, "```", "", f"Recorded in [`{rel}`]({rel}):", "", body])
+
+
+RUN_TABLES: Dict[str, RunTable] = {
+    "input-bench": RunTable(
+        "data/input-bench.json",
+        "python -m recloss_plugins.sasrec.data.input_bench --events 20000000 --steps 30 --memory "
+        "--json docs/figures/data/input-bench.json",
+        "recloss_plugins.sasrec.data.input_bench:format_summary"),
+    "quality": RunTable(
+        "data/quality.json", "make quality QUALITY_ARGS='--json docs/figures/data/quality.json'",
+        "recloss_plugins.sasrec.quality:format_run"),
+}
+
+_RUN_BLOCK = re.compile(r"(?P<start><!-- figures:(?P<name>[\w.-]+) run -->\n)(?P<body>.*?)"
+                        r"(?P<end><!-- /figures:(?P=name) -->)", re.S)
+
+
+def render(text: str, figures_dir: Optional[Path] = None) -> str:
+    """``text`` with every ``<!-- figures:NAME run -->`` block filled from its results file."""
+    def sub(m):
+        name = m.group("name")
+        if name not in RUN_TABLES:
+            raise RecordError(f"block figures:{name} run names no run table (known: {', '.join(RUN_TABLES)})")
+        return m.group("start") + RUN_TABLES[name].render(figures_dir) + "\n" + m.group("end")
+
+    return _RUN_BLOCK.sub(sub, text)

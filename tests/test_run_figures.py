@@ -1,0 +1,94 @@
+"""The trainer's tables in the docs (`recloss_plugins.sasrec.figures`): rendered from their JSON.
+
+The input benchmark's table is `input_bench.format_summary` of docs/figures/data/input-bench.json, the
+function the benchmark prints it with; a changed figure changes the rendered text, a missing file or
+field names the command that writes it, and the rate the summary reads is the one the trainer logs.
+"""
+
+import json
+import os
+
+import pytest
+
+from recloss.bench.figures import RecordError
+from recloss_plugins.config import default_config_path, load_config
+from recloss_plugins.sasrec import figures
+from recloss_plugins.sasrec.data import input_bench
+from recloss_plugins.sasrec.train import train
+
+TABLE = figures.RUN_TABLES["input-bench"]
+
+
+def _summary():
+    return json.loads((figures.FIGURES_DIR / TABLE.file).read_text())
+
+
+def test_input_bench_table_renders_its_results_file(tmp_path):
+    data = _summary()
+    data["read"][0]["sequences_per_s"] = 12345.6
+    (tmp_path / TABLE.file).parent.mkdir(parents=True)
+    (tmp_path / TABLE.file).write_text(json.dumps(data))
+    text = figures.render("a\n<!-- figures:input-bench run -->\n<!-- /figures:input-bench -->\nb", tmp_path)
+    assert text.startswith("a\n<!-- figures:input-bench run -->\n```sh\n" + TABLE.command + "\n```")
+    assert "| 12,346 and " in text and text.endswith("<!-- /figures:input-bench -->\nb")
+    assert input_bench.format_summary(data) in text
+    assert figures.render(text, tmp_path) == text
+    with pytest.raises(RecordError, match=r"cannot read results file .*input-bench\.json.*input_bench --events"):
+        TABLE.render(tmp_path / "nowhere")
+    del data["train"]
+    (tmp_path / TABLE.file).write_text(json.dumps(data))
+    with pytest.raises(RecordError, match=r"lacks what its table needs \(KeyError: 'train'\): rerun"):
+        TABLE.render(tmp_path)
+    with pytest.raises(RecordError, match="figures:nope run names no run table"):
+        figures.render("<!-- figures:nope run -->\n<!-- /figures:nope -->")
+
+
+def test_input_bench_summary_says_how_far_input_outpaces_training():
+    data = _summary()
+    text = input_bench.format_summary(data)
+    slowest = min(r["sequences_per_s"] for r in data["read"])
+    fed = max(x for r in data["train"] for x in r["steps_per_s"]) * data["train_batch"] / 2
+    assert f"~{slowest / fed:,.0f} per process" in text
+    assert ("data_pipeline=memory" in text) == bool(data.get("train_memory"))
+
+
+def test_the_rate_the_bench_reads_is_the_one_the_trainer_logs(tmp_path):
+    tiny = ["synthetic_num_users=48", "synthetic_num_items=255", "synthetic_min_len=20", "synthetic_max_len=30",
+            "num_labels=4", "max_seq_len=8", "global_batch_size=16", "emb_dim=16", "num_layers=1", "num_heads=2",
+            "mlp_dim=32", "log_period=2", "steps=6", "enable_checkpointing=false", "enable_tensorboard=false",
+            f"base_output_directory={tmp_path}"]
+    lines = []
+    train(load_config([str(default_config_path()), *tiny]), stop_after=6,
+          log=lambda *a: lines.append(" ".join(map(str, a))))
+    rates = [float(m.group(1)) for line in lines for m in [input_bench.RATE.search(line)] if m]
+    assert len(rates) == 3 and all(r > 0 for r in rates), lines
+
+
+def test_the_docs_run_blocks_are_known_tables():
+    root = os.path.join(os.path.dirname(__file__), os.pardir, "docs")
+    found = set()
+    for name in os.listdir(root):
+        if name.endswith(".md"):
+            text = open(os.path.join(root, name)).read()
+            found |= {m["name"] for m in figures._RUN_BLOCK.finditer(text)}
+            figures.render(text)
+    assert found == set(figures.RUN_TABLES), found
+
+
+def test_quality_table_is_what_the_run_printed(tmp_path, monkeypatch, capsys):
+    """`quality --json` keeps what the table needs: the docs render the table the run printed."""
+    from recloss_plugins.sasrec import quality
+    monkeypatch.setattr(quality, "ROWS", [r for r in quality.ROWS if r[0].startswith(("cutbce", "gbce K=128, u"))])
+    path = tmp_path / "quality.json"
+    tiny = ["synthetic_num_users=48", "synthetic_num_items=255", "synthetic_min_len=20", "synthetic_max_len=30",
+            "num_labels=4", "max_seq_len=8", "global_batch_size=16", "emb_dim=16", "num_layers=1",
+            "num_heads=2", "mlp_dim=32", "steps=4", "eval_batch_size=32", f"base_output_directory={tmp_path}"]
+    assert quality.main([*tiny, "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert [r["loss"] for r in data["rows"]] == ["cutbce", "gbce K=128, uniform negatives"]
+    table = quality.markdown(data["rows"], data["info"]["eval_top_k"])
+    assert table in printed and "v6e-8" not in table          # no --hbm: no column of "not run"
+    text = quality.format_run(data)
+    assert text.startswith(table) and "2 runs of 4 steps" in text
+    assert data["info"]["config"][0] == "configs/base.yml"

@@ -72,6 +72,15 @@ def test_global_batch_is_the_same_for_any_process_count(prepared):
     np.testing.assert_array_equal(full[0]["weights"], (full[0]["inputs"] != 0).astype(np.float32))
 
 
+def test_one_row_per_shard_per_step_streams(prepared):
+    """Global batch = the shard count: each shard gives batch(1) of its repeated stream, whose length
+    Grain reports as sys.maxsize + 1; the concatenation still has a length and yields batches."""
+    one = _data(prepared)
+    assert len(one.train_dataset(SHARDS, seed=1)) > 10**18
+    batches = _take(one.train_iterator(SHARDS, seed=1), 3)
+    assert [b["inputs"].shape for b in batches] == [(SHARDS, N)] * 3
+
+
 def test_iterator_state_restores_the_following_batches(prepared):
     d = _data(prepared)
     it = d.train_iterator(8, seed=1)

@@ -18,6 +18,8 @@ scoring its share (`eval.evaluate`).
 
 from __future__ import annotations
 
+import sys
+
 from typing import Dict, List, Optional
 
 import grain
@@ -104,7 +106,9 @@ class _ConcatBatches(grain.MapDataset):
         self._ds = parents
 
     def __len__(self) -> int:
-        return min(len(p) for p in self._ds)
+        # __len__, not len(): Grain's batch(1) of a repeated dataset reports sys.maxsize + 1, which
+        # len() refuses (OverflowError) -- a global batch of one row per shard hit it.
+        return min(min(p.__len__() for p in self._ds), sys.maxsize)
 
     def __getitem__(self, index):
         if isinstance(index, slice):

@@ -219,6 +219,83 @@ def test_every_shell_command_names_programs_flags_and_keys_that_exist():
     assert checked >= 25, f"only {checked} documented commands checked"
 
 
+# Why a documented command is checked for its flags and keys above but not run on tiny data below;
+# a command that neither runs nor has a reason fails the test (a new example must be classified).
+_MAKE_CI = {"test", "test-py312", "docs"}
+_MAKE_BENCH = {"bench", "bench-py312", "quality", "figures", "pod-figures"}
+NOT_RUN = (
+    (lambda p, a: any(x.startswith("compile_topology=") for x in a),
+     "an ahead-of-time TPU compile (minutes each; tests/test_pod_step.py compiles the pinned rows)"),
+    (lambda p, a: any("/data/yambda" in x or "gs://" in x for x in a), "needs the real data set or a bucket"),
+    (lambda p, a: p == "make" and set(a) <= _MAKE_CI, ".ci/run runs it"),
+    (lambda p, a: p == "make" and a == ["train"],
+     "the default job (minutes): tests/test_train.py trains its config on tiny data"),
+    (lambda p, a: (p == "make" and a[:1] and a[0] in _MAKE_BENCH) or p in ("recloss-bench", "for")
+     or (p in ("python", "python3") and (a[:1] == ["-c"] or a[1:2] in (["recloss.bench.figures"],
+                                                                     ["recloss_plugins.sasrec.data.input_bench"]))),
+     "a benchmark or figure recording (minutes): its output is the results file the page renders"),
+    (lambda p, a: p == "recloss-maxtext-compile" or a[1:2] == ["recloss_plugins.maxtext.train"],
+     "needs MaxText and a TPU compile (tests/test_maxtext_*.py)"),
+    (lambda p, a: p == "pip", "installs packages"),
+)
+# Appended to a documented recloss-train / recloss-prepare-data command: the same command at toy size.
+TINY = ["synthetic_num_users=48", "synthetic_num_items=255", "synthetic_min_len=20", "synthetic_max_len=30",
+        "num_labels=4", "max_seq_len=8", "global_batch_size=16", "emb_dim=16", "num_layers=1", "num_heads=2",
+        "mlp_dim=32", "steps=2", "log_period=1", "eval_batch_size=64", "eval_block_v=128",
+        "enable_tensorboard=false"]
+
+
+def _tiny_log(path):
+    """A Parquet log the documented interaction commands read: 300 users x 35 time-ordered events over
+    200 items, the user id under both `uid` (configs/base.yml) and `user_id` (trainer.md)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rng = np.random.default_rng(0)
+    users = np.repeat(np.arange(300) * 7 + 11, 35)
+    pq.write_table(pa.table({"uid": users, "user_id": users, "item_id": rng.integers(1, 201, users.size),
+                             "timestamp": np.arange(users.size)}), path)
+
+
+def _not_run_reason(words):
+    prog, args = os.path.basename(words[0]), words[1:]
+    return next((why for match, why in NOT_RUN if match(prog, args)), None)
+
+
+def test_documented_trainer_commands_run_on_tiny_data(tmp_path, capsys):
+    """Each `recloss-train` / `recloss-prepare-data` command of the pages that can run on a CPU runs, in
+    page order (a prepare before the train that reads it), with TINY appended and /data/ paths moved
+    under tmp_path; every other command has a reason in NOT_RUN."""
+    from recloss.bench import figures
+    from recloss_plugins.sasrec import figures as run_figures
+    from recloss_plugins.sasrec.data.prepare import main as prepare_main
+    from recloss_plugins.sasrec.train import main as train_main
+    ran, unclassified = [], []
+    for page in PAGES:
+        work = tmp_path / page.stem
+        work.mkdir()
+        (work / "configs").symlink_to(ROOT / "configs")
+        _tiny_log(work / "log.parquet")
+        text = run_figures.render(figures.render_readme(page.read_text(encoding="utf-8")))
+        for words, expected in shell_commands(text):
+            prog = os.path.basename(words[0])
+            if expected or _not_run_reason(words):
+                continue
+            if prog not in ("recloss-train", "recloss-prepare-data"):
+                unclassified.append(f"{page.name}: `{' '.join(words)}`")
+                continue
+            args = [a.replace("=/data/", f"={work}/data/") for a in words[1:]]
+            args += TINY + [f"base_output_directory={work / 'runs'}"]
+            with contextlib.chdir(work):
+                rc = (train_main if prog == "recloss-train" else prepare_main)(args)
+            out = capsys.readouterr()
+            assert rc == 0, f"{page.name}: `{' '.join(words)}` (+ tiny overrides) exited {rc}:\n{out.err[-3000:]}"
+            ran.append(f"{page.name}: {' '.join(words)}")
+    assert not unclassified, "commands neither run here nor given a reason in NOT_RUN:\n" + "\n".join(unclassified)
+    print("\n".join(ran))
+    assert len(ran) >= 6, ran
+
+
 # ----------------------------------------------------------------------------- a real browser
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # .ci/run installs Debian's chromium and sets this: there the browser test must run, not skip.

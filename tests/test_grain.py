@@ -72,13 +72,22 @@ def test_global_batch_is_the_same_for_any_process_count(prepared):
     np.testing.assert_array_equal(full[0]["weights"], (full[0]["inputs"] != 0).astype(np.float32))
 
 
-def test_one_row_per_shard_per_step_streams(prepared):
-    """Global batch = the shard count: each shard gives batch(1) of its repeated stream, whose length
-    Grain reports as sys.maxsize + 1; the concatenation still has a length and yields batches."""
+@pytest.mark.parametrize("per_shard", [1, 2, 3, 5])
+def test_every_per_shard_batch_streams(prepared, per_shard):
+    """Global batch = per_shard x the shard count, one row per shard included: each shard gives
+    batch(per_shard) of its repeated stream (Grain reports batch(1)'s length as sys.maxsize + 1); the
+    concatenation has a length and yields batches of the global size."""
     one = _data(prepared)
-    assert len(one.train_dataset(SHARDS, seed=1)) > 10**18
-    batches = _take(one.train_iterator(SHARDS, seed=1), 3)
-    assert [b["inputs"].shape for b in batches] == [(SHARDS, N)] * 3
+    B = per_shard * SHARDS
+    assert len(one.train_dataset(B, seed=1)) > 10**18
+    batches = _take(one.train_iterator(B, seed=1), 3)
+    assert [b["inputs"].shape for b in batches] == [(B, N)] * 3
+
+
+def test_a_batch_the_shards_cannot_serve_is_named(prepared):
+    msg = rf"global batch {SHARDS + 1} does not divide over the {SHARDS} prepared shards"
+    with pytest.raises(D.ShardError, match=msg):
+        _data(prepared).train_dataset(SHARDS + 1, seed=1)
 
 
 def test_iterator_state_restores_the_following_batches(prepared):

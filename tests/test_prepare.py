@@ -36,7 +36,7 @@ def _as_raw(seqs):
     return sorted(tuple(seqs.item_raw_ids[seqs.user(u)].tolist()) for u in range(seqs.num_users))
 
 
-@pytest.mark.parametrize("kind", ["csv_string_users", "parquet_dir", "yambda_filters"])
+@pytest.mark.parametrize("kind", ["csv_string_users", "parquet_dir", "parquet_dir_string_users", "yambda_filters"])
 def test_shards_hold_the_in_memory_sequences_vocabulary_and_popularity(tmp_path, rng, kind):
     log = tmp_path / "log"
     if kind == "csv_string_users":
@@ -45,8 +45,9 @@ def test_shards_hold_the_in_memory_sequences_vocabulary_and_popularity(tmp_path,
         pacsv.write_csv(t, log)
         extra = ["dataset_type=interactions", "min_user_interactions=25"]
         ref = D.load_interactions(str(log), min_user_interactions=25)
-    elif kind == "parquet_dir":
-        t = _log(rng, 4003, 113, 307)
+    elif kind.startswith("parquet_dir"):
+        # Two files of several row groups: a user's events span pieces, each with its own dictionary.
+        t = _log(rng, 4003, 113, 307, string_users=kind.endswith("string_users"))
         log.mkdir()
         pq.write_table(t.slice(0, 1500), log / "a.parquet", row_group_size=333)
         pq.write_table(t.slice(1500), log / "b.parquet", row_group_size=511)
@@ -81,6 +82,76 @@ def test_shards_hold_the_in_memory_sequences_vocabulary_and_popularity(tmp_path,
     np.testing.assert_array_equal(raw[1:], ref.item_raw_ids[1:])        # same dense ids
     assert _as_raw(D.Sequences(got.items, got.offsets, got.num_items, raw)) == _as_raw(ref)
     np.testing.assert_array_equal(np.load(tmp_path / "prep" / "popularity.npy"), D.popularity(ref, 3))
+
+
+def _reference_key(value: bytes):
+    """stream.string_keys's definition, one byte string at a time in plain Python."""
+    mask = 2**64 - 1
+
+    def mix(x):
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    out = []
+    for seed, mul, shift in ((0x243F6A8885A308D3, 0xC2B2AE3D27D4EB4F, 29), (0x13198A2E03707344, 0x9FB21C651E98DF25, 32)):
+        k = ((len(value) + seed) * mul) & mask
+        for c in range(0, len(value), 8):
+            k = ((k ^ int.from_bytes(value[c:c + 8], "little")) * mul) & mask
+            k ^= k >> shift
+        out.append(mix(k))
+    return tuple(out)
+
+
+def test_string_keys_are_the_definition_in_every_arrow_layout_and_tell_ids_apart(rng, monkeypatch):
+    from recloss_plugins.sasrec.data import stream
+    monkeypatch.setattr(stream, "_BLOCK", 97)        # many blocks, one of them partial
+    alphabet = list("abcxyz019-_:") + ["é", "ß", "\x00", "日本", "🙂"]
+    values = ["", "\x00", "a", "a\x00", "user-1", "user-10", "user-01"]
+    values += ["".join(rng.choice(alphabet, int(n))) for n in rng.integers(0, 40, 400)]
+    values += ["x" * n for n in range(1, 33)] + ["x" * 300]            # every word boundary, a long tail
+    base = "user-0123456789abcdef"
+    values += [base[:i] + "#" + base[i + 1:] for i in range(len(base))]   # one byte apart, every position
+    values += [v for v in values[:60]]                                # duplicates
+    got = stream.string_keys(pa.array(values))
+    assert got.shape == (len(values), 2) and got.dtype == np.uint64
+    want = np.array([_reference_key(v.encode()) for v in values], np.uint64)
+    np.testing.assert_array_equal(got, want)
+    # Equal ids, equal keys; distinct ids, distinct keys (both halves).
+    distinct = sorted(set(values))
+    keys = {tuple(k) for k in stream.string_keys(pa.array(distinct))}
+    assert len(keys) == len(distinct) and len({k[0] for k in keys}) == len({k[1] for k in keys}) == len(distinct)
+    layouts = {
+        "large_string": pa.array(values, pa.large_string()),
+        "binary": pa.array([v.encode() for v in values], pa.binary()),
+        "dictionary": pa.array(values).dictionary_encode(),
+        "chunked": pa.chunked_array([pa.array(values[:100]), pa.array(values[100:])]),
+    }
+    for name, arr in layouts.items():
+        np.testing.assert_array_equal(stream.string_keys(arr), want, err_msg=name)
+    np.testing.assert_array_equal(stream.string_keys(pa.array(values).slice(33, 200)), want[33:233])
+    assert stream.string_keys(pa.array([], pa.string())).shape == (0, 2)
+
+
+def test_user_runs_tell_apart_ids_whose_first_key_halves_collide():
+    # (5, 1) and (5, 2) share the first half: two users, each in time order, file order breaking ties.
+    users = np.array([[5, 1], [5, 2], [5, 1], [3, 9], [5, 2], [5, 1]], np.uint64)
+    times = np.array([4, 3, 2, 1, 0, 2])
+    order, offsets = P._user_runs(users, times)
+    np.testing.assert_array_equal(order, [3, 2, 5, 0, 4, 1])
+    np.testing.assert_array_equal(offsets, [0, 1, 4, 6])
+    order, offsets = P._user_runs(users[[0, 2, 3, 5]], times[[0, 2, 3, 5]])   # no collision: the fast path
+    np.testing.assert_array_equal(order, [2, 1, 3, 0])
+    np.testing.assert_array_equal(offsets, [0, 1, 4])
+
+
+def test_null_string_user_ids_are_a_named_error(tmp_path):
+    log = tmp_path / "log.parquet"
+    pq.write_table(pa.table({"uid": pa.array(["a", None, "b"]), "item_id": [1, 2, 3], "timestamp": [1, 2, 3]}), log)
+    cfg = _cfg(tmp_path, "dataset_type=interactions", f"dataset_path={log}", "prepare_num_shards=1")
+    with pytest.raises(D.DataError, match=r"column 'uid' of .*log\.parquet' has 1 null values"):
+        P.prepare(cfg, log=lambda *a: None)
 
 
 def test_train_example_is_the_train_split_row(rng):

@@ -11,7 +11,7 @@ Three passes, none holding the whole log:
 2. per bucket: order by (user, time), stable (file order breaks ties, as `readers.log_to_sequences`),
    drop users with fewer than ``min_user_interactions`` events, keep the rest with raw item ids;
    the kept items' union is the vocabulary, remapped to 1..K in raw-id order (0 = padding);
-3. write the users, in (bucket, user id) order, into ``prepare_num_shards`` ArrayRecord shards of
+3. write the users, in (bucket, user id or string id's key) order, into ``prepare_num_shards`` ArrayRecord shards of
    nearly equal user counts, with the train-region popularity and the manifest (`shards`).
 
 The sequences are exactly those `readers.load_interactions` / `load_yambda` build in memory (same
@@ -47,11 +47,41 @@ prepared_data_path, which recloss-train (data_pipeline: grain) then reads, each 
 
 
 def _bucket_of(users: np.ndarray, num_buckets: int) -> np.ndarray:
-    """A stable hash of each user id -> [0, num_buckets) (the same in every run and process)."""
+    """A stable hash of each user id -> [0, num_buckets) (the same in every run and process).
+
+    users: [rows] numeric ids, or [rows, 2] uint64 `stream.string_keys` (already uniform bits)."""
+    if users.ndim == 2:
+        return (users[:, 0] % np.uint64(num_buckets)).astype(np.int64)
+    if users.dtype.kind == "f":
+        users = (users.astype(np.float64) + 0.0).view(np.uint64)   # + 0.0: -0.0 and 0.0 are one user
     if users.dtype.kind in "iu":
         h = users.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
         return ((h >> np.uint64(33)) % np.uint64(num_buckets)).astype(np.int64)
     return np.fromiter((zlib.crc32(str(u).encode()) % num_buckets for u in users), np.int64, users.size)
+
+
+def _user_runs(users: np.ndarray, times: np.ndarray):
+    """(order, offsets): the stable (user, time) order of a bucket's events and the [users + 1]
+    offsets of each user's run in it. users: [rows] ids or [rows, 2] keys."""
+    def runs(keys, u):
+        try:
+            order = np.lexsort(keys)
+        except TypeError as err:
+            raise DataError(f"user or timestamp column has mixed value types: {err}") from err
+        u = u[order]
+        return order, u, np.flatnonzero(u[1:] != u[:-1]) + 1
+
+    if users.ndim == 1:
+        order, _, bounds = runs((times, users), users)
+    else:
+        # Order by the first half alone; the second only tells apart ids whose first halves collide
+        # (2^-64 a pair), which then take the full three-key sort.
+        order, _, bounds = runs((times, users[:, 0]), users[:, 0])
+        second = users[order, 1]
+        if np.delete(second[1:] != second[:-1], bounds - 1).any():
+            order, u, _ = runs((times, users[:, 1], users[:, 0]), users)
+            bounds = np.flatnonzero((u[1:] != u[:-1]).any(axis=1)) + 1
+    return order, np.concatenate([[0], bounds, [users.shape[0]]]).astype(np.int64)
 
 
 def _append(f, arrays):
@@ -97,7 +127,7 @@ def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optio
         progress = Progress(0, 0, progress_stream)
         try:
             for chunk in iter_chunks(cfg):
-                n = chunk["user"].size
+                n = chunk["user"].shape[0]
                 if n == 0:
                     continue
                 b = _bucket_of(chunk["user"], K)
@@ -126,13 +156,8 @@ def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optio
             users, items, times = _read_all(path, 3) if os.path.getsize(path) else ([np.zeros(0)] * 3)
             os.remove(path)
             if users.size:
-                try:
-                    order = np.lexsort((times, users))
-                except TypeError as err:
-                    raise DataError(f"user or timestamp column has mixed value types: {err}") from err
-                users, items = users[order], items[order]
-                bounds = np.flatnonzero(users[1:] != users[:-1]) + 1
-                offsets = np.concatenate([[0], bounds, [users.size]]).astype(np.int64)
+                order, offsets = _user_runs(users, times)
+                items = items[order]
                 lengths = np.diff(offsets)
                 keep = lengths >= max(min_len, 1)
                 mask = np.repeat(keep, lengths)

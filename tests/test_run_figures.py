@@ -92,3 +92,26 @@ def test_quality_table_is_what_the_run_printed(tmp_path, monkeypatch, capsys):
     text = quality.format_run(data)
     assert text.startswith(table) and "2 runs of 4 steps" in text
     assert data["info"]["config"][0] == "configs/base.yml"
+
+
+def test_readme_run_blocks_are_what_their_results_files_render():
+    text = figures.README.read_text()
+    assert "<!-- figures:prepare-ids run -->" in text
+    assert figures.render(text) == text, ("README.md's run tables differ from docs/figures/data: run "
+                                          "`python -m recloss_plugins.sasrec.figures` (and commit README.md)")
+    assert figures.main(["--check"]) == 0
+
+
+def test_prepare_table_gives_both_rates_and_every_pair(tmp_path):
+    summary = "prepared /x: 7 users, 5 items, 40 interactions (of 50 events read), 2 shards, 0.1 MiB, {}s"
+    runs = lambda secs: [{"seconds": x, "wall_s": x + 2, "peak_rss_mib": 100 + x, "summary": summary.format(x)}
+                         for x in secs]
+    out = {"events": 3_000_000, "repeats": 3, "log_mib": {"int": 20.4, "string": 26.6},
+           "runs": {"int": runs([2.0, 2.5, 3.0]), "string": runs([2.4, 2.5, 3.9])}}
+    text = input_bench.format_prepare(out)
+    assert "| integers | 20 MiB Parquet | 2.5 s | 1.20 M | 103 MiB |" in text
+    assert "| strings (`user-<id>`) | 27 MiB Parquet | 2.5 s | 1.20 M | 104 MiB |" in text
+    assert "String ids take 1.00x the integer-id time (interleaved pairs: 1.20x, 1.00x, 1.30x)" in text
+    assert "both preparations kept the same 7 users, 5 items, 40 interactions (of 50 events read)." in text
+    out["runs"]["string"][1]["summary"] = summary.format(1).replace("7 users", "6 users")
+    assert "DIFFER: 6 users, 5 items, 40 interactions (of 50 events read); 7 users" in input_bench.format_prepare(out)

@@ -8,14 +8,16 @@ the command shown above a table is how its figures change.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Dict, Optional
 
-from recloss.bench.figures import FIGURES_DIR, RecordError
+from recloss.bench.figures import FIGURES_DIR, README, RecordError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,11 @@ RUN_TABLES: Dict[str, RunTable] = {
         "python -m recloss_plugins.sasrec.data.input_bench --events 20000000 --steps 30 --memory "
         "--json docs/figures/data/input-bench.json",
         "recloss_plugins.sasrec.data.input_bench:format_summary"),
+    "prepare-ids": RunTable(
+        "data/prepare-ids.json",
+        "python -m recloss_plugins.sasrec.data.input_bench --mode prepare --events 20000000 "
+        "--json docs/figures/data/prepare-ids.json",
+        "recloss_plugins.sasrec.data.input_bench:format_prepare"),
     "quality": RunTable(
         "data/quality.json", "make quality QUALITY_ARGS='--json docs/figures/data/quality.json'",
         "recloss_plugins.sasrec.quality:format_run"),
@@ -64,3 +71,33 @@ def render(text: str, figures_dir: Optional[Path] = None) -> str:
         return m.group("start") + RUN_TABLES[name].render(figures_dir) + "\n" + m.group("end")
 
     return _RUN_BLOCK.sub(sub, text)
+
+
+def main(argv=None) -> int:
+    """``python -m recloss_plugins.sasrec.figures [--check]``: README.md's run blocks, re-rendered."""
+    parser = argparse.ArgumentParser(prog="python -m recloss_plugins.sasrec.figures", description=main.__doc__)
+    parser.add_argument("--check", action="store_true",
+                        help="do not write: exit 1 when README.md is not what the results files render")
+    parser.add_argument("--readme", default=str(README), help="the README to render (default: %(default)s)")
+    args = parser.parse_args(argv)
+    readme = Path(args.readme)
+    text = readme.read_text()
+    try:
+        new = render(text)
+    except RecordError as err:
+        print(f"figures: {err}", file=sys.stderr)
+        return 2
+    if new == text:
+        print(f"figures: {readme} is up to date", file=sys.stderr)
+        return 0
+    if args.check:
+        print(f"figures: {readme} differs from what docs/figures/data renders: run "
+              "`python -m recloss_plugins.sasrec.figures`", file=sys.stderr)
+        return 1
+    readme.write_text(new)
+    print(f"figures: rendered {readme}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,6 +2,7 @@
 
     python -m recloss_plugins.sasrec.data.input_bench --events 20000000 --dir /tmp/recloss_input_bench \
         [--memory] [--json summary.json]
+    python -m recloss_plugins.sasrec.data.input_bench --mode prepare --events 20000000 [--json prep.json]
 
 Writes a synthetic Parquet log of ``--events`` events (power-law users and items, in row groups,
 never whole in memory) under ``--dir``, prepares it in a child process (wall time, peak RSS),
@@ -11,6 +12,10 @@ devices through launch/local.py (steps/s after the first logging window, which h
 peak RSS of each process); ``--memory`` trains again with ``data_pipeline=memory`` (every process
 loads the whole log) for its RSS. Prints the summary as a table (`format_summary`), and ``--json``
 writes it for docs/data.md to render. Not a test: it takes minutes and a few GiB of disk.
+
+``--mode prepare`` times only recloss-prepare-data, on the log as written (integer user ids) and on
+the same events with string user ids (``user-<id>``), alternating ``--repeats`` times, and prints
+both rates and their ratio (`format_prepare`).
 """
 
 from __future__ import annotations
@@ -34,19 +39,26 @@ REPO = Path(__file__).resolve().parents[3]
 RATE = re.compile(r"\| ([0-9.]+) steps/s \|")
 
 
-def write_log(path: Path, events: int, users: int, items: int, seed: int = 0, chunk: int = 2_000_000):
-    """A Parquet log (uid, item_id, timestamp) of ``events`` rows written ``chunk`` rows at a time."""
+def write_log(path: Path, events: int, users: int, items: int, seed: int = 0, chunk: int = 2_000_000,
+              string_ids: bool = False):
+    """A Parquet log (uid, item_id, timestamp) of ``events`` rows written ``chunk`` rows at a time;
+    ``string_ids``: the same events with uid ``"user-<id>"`` (a string column)."""
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(seed)
-    schema = pa.schema([("uid", pa.int64()), ("item_id", pa.int64()), ("timestamp", pa.int64())])
+    schema = pa.schema([("uid", pa.string() if string_ids else pa.int64()), ("item_id", pa.int64()),
+                        ("timestamp", pa.int64())])
     with pq.ParquetWriter(path, schema) as w:
         for lo in range(0, events, chunk):
             n = min(chunk, events - lo)
             u = (rng.pareto(1.2, n) * users / 8).astype(np.int64) % users
             i = (rng.pareto(1.0, n) * items / 16).astype(np.int64) % items
-            w.write_table(pa.table({"uid": u * 31 + 7, "item_id": i * 17 + 3,
+            uid = pa.array(u * 31 + 7)
+            if string_ids:
+                uid = pc.binary_join_element_wise("user-", uid.cast(pa.string()), "")
+            w.write_table(pa.table({"uid": uid, "item_id": i * 17 + 3,
                                     "timestamp": lo + np.arange(n, dtype=np.int64)}, schema=schema),
                           row_group_size=500_000)
 
@@ -98,7 +110,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--mode", default="all", choices=("all", "read", "train"))
+    p.add_argument("--mode", default="all", choices=("all", "prepare", "read", "train"))
+    p.add_argument("--repeats", type=int, default=3, help="--mode prepare: preparations of each log")
     p.add_argument("--prepared", default="")
     p.add_argument("--process-index", type=int, default=0)
     p.add_argument("--batch", type=int, default=64)
@@ -113,6 +126,8 @@ def main(argv=None):
         return _read_mode(args)
     if args.mode == "train":
         return _train_mode(args, rest)
+    if args.mode == "prepare":
+        return _prepare_mode(args)
 
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -124,20 +139,10 @@ def main(argv=None):
         out["generate_s"] = time.perf_counter() - t0
     out["log_mib"] = log.stat().st_size / 2**20
     prepared = root / "prepared"
-    cfg = [str(REPO / "configs" / "base.yml"), "dataset_type=interactions", f"dataset_path={log}",
-           f"prepared_data_path={prepared}", "min_user_interactions=31", "prepare_num_shards=16"]
+    cfg = _prepare_cfg(log, prepared)
     env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", "import sys, json; "
-                        "from recloss_plugins.sasrec.data.prepare import main; "
-                        "from recloss_plugins.sasrec.data.input_bench import _peak_rss_mib; rc = main(sys.argv[1:]); "
-                        "print(json.dumps({'peak_rss_mib': _peak_rss_mib()})); sys.exit(rc)", *cfg],
-                       capture_output=True, text=True, env=env, cwd=REPO)
-    if r.returncode:
-        raise SystemExit(r.stdout + r.stderr)
-    out["prepare_s"] = time.perf_counter() - t0
-    out["prepare_peak_rss_mib"] = json.loads(r.stdout.strip().splitlines()[-1])["peak_rss_mib"]
-    out["prepare_summary"] = [line for line in r.stdout.splitlines() if line.startswith("prepared ")][-1]
+    run = _prepare(cfg, env)
+    out.update(prepare_s=run["wall_s"], prepare_peak_rss_mib=run["peak_rss_mib"], prepare_summary=run["summary"])
     me = [sys.executable, "-m", "recloss_plugins.sasrec.data.input_bench"]
     out["read"] = []
     for pi in range(2):
@@ -155,6 +160,81 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
+
+
+def _prepare_cfg(log: Path, prepared: Path):
+    return [str(REPO / "configs" / "base.yml"), "dataset_type=interactions", f"dataset_path={log}",
+            f"prepared_data_path={prepared}", "min_user_interactions=31", "prepare_num_shards=16"]
+
+
+def _prepare(cfg, env) -> dict:
+    """recloss-prepare-data ``cfg`` in a child process: its wall time (start-up included), the
+    preparation's own seconds, its peak RSS and its summary line."""
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", "import sys, json; "
+                        "from recloss_plugins.sasrec.data.prepare import main; "
+                        "from recloss_plugins.sasrec.data.input_bench import _peak_rss_mib; rc = main(sys.argv[1:]); "
+                        "print(json.dumps({'peak_rss_mib': _peak_rss_mib()})); sys.exit(rc)", *cfg],
+                       capture_output=True, text=True, env=env, cwd=REPO)
+    if r.returncode:
+        raise SystemExit(r.stdout + r.stderr)
+    wall = time.perf_counter() - t0
+    summary = [line for line in r.stdout.splitlines() if line.startswith("prepared ")][-1]
+    return {"wall_s": wall, "seconds": float(re.search(r", ([0-9.]+)s$", summary).group(1)),
+            "peak_rss_mib": json.loads(r.stdout.strip().splitlines()[-1])["peak_rss_mib"], "summary": summary}
+
+
+def _prepare_mode(args):
+    """Prepare the integer-id and the string-id log alternately, ``--repeats`` times each."""
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
+    out = {"events": args.events, "repeats": args.repeats, "runs": {"int": [], "string": []}, "log_mib": {}}
+    for kind in ("int", "string"):
+        log = root / ("log.parquet" if kind == "int" else "log-string-ids.parquet")
+        if not log.exists():
+            print(f"writing {log} ({args.events:,} events, {kind} user ids) ...", file=sys.stderr, flush=True)
+            write_log(log, args.events, args.users, args.items, string_ids=kind == "string")
+        out["log_mib"][kind] = log.stat().st_size / 2**20
+    for rep in range(args.repeats):
+        for kind in ("int", "string"):
+            log = root / ("log.parquet" if kind == "int" else "log-string-ids.parquet")
+            run = _prepare(_prepare_cfg(log, root / f"prepared-{kind}"), env)
+            out["runs"][kind].append(run)
+            print(f"[{rep + 1}/{args.repeats}] {kind} user ids: {run['seconds']:.1f} s "
+                  f"({run['wall_s']:.1f} s wall)", file=sys.stderr, flush=True)
+    print(format_prepare(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+
+
+def format_prepare(out: dict) -> str:
+    """The integer- vs string-id preparation as a Markdown table: the median of each kind's own
+    seconds (the summary line's, start-up excluded), the events/s they give, and the ratio of each
+    interleaved pair."""
+    med = {k: float(np.median([r["seconds"] for r in runs])) for k, runs in out["runs"].items()}
+    pairs = [s["seconds"] / i["seconds"] for i, s in zip(out["runs"]["int"], out["runs"]["string"])]
+    lines = ["| user ids | log | preparation (median of " f"{out['repeats']}) | events/s | peak RSS |",
+             "|---|---|---|---|---|"]
+    for kind in ("int", "string"):
+        runs = out["runs"][kind]
+        lines.append(f"| {'integers' if kind == 'int' else 'strings (`user-<id>`)'} | "
+                     f"{out['log_mib'][kind]:.0f} MiB Parquet | {med[kind]:.1f} s | "
+                     f"{out['events'] / med[kind] / 1e6:.2f} M | "
+                     f"{max(r['peak_rss_mib'] for r in runs):,.0f} MiB |")
+    lines += ["", f"String ids take {med['string'] / med['int']:.2f}x the integer-id time (interleaved pairs: "
+                  f"{', '.join(f'{x:.2f}x' for x in pairs)}); both preparations "
+                  f"{'kept the same' if len(_counts(out)) == 1 else 'DIFFER:'} {'; '.join(sorted(_counts(out)))}."]
+    return "\n".join(lines)
+
+
+_COUNTS = re.compile(r"[\d,]+ users, [\d,]+ items, [\d,]+ interactions \(of [\d,]+ events read\)")
+
+
+def _counts(out: dict) -> set:
+    """The users, items and interactions every preparation of ``out`` kept (one entry when they agree)."""
+    return {_COUNTS.search(r["summary"]).group(0) for k in ("int", "string") for r in out["runs"][k]}
 
 
 def _train(me, args, cfg, root: Path, env, pipeline: str):

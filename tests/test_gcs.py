@@ -174,6 +174,25 @@ def test_parquet_and_csv_from_bucket_equal_local_copy(gcs, tmp_path, rng):
     np.testing.assert_array_equal(a.popularity, b.popularity)
 
 
+def test_reading_and_preparing_from_the_bucket_leave_nothing_pending_at_exit(gcs, tmp_path, rng):
+    """Every gcsfs handle is closed: a left-open read's prefetch task makes asyncio print
+    "Task was destroyed but it is pending!" at interpreter exit."""
+    import pyarrow.parquet as pq
+    prefix = f"gs://{gcs.bucket}/{_prefix()}"
+    pq.write_table(_log(rng, n_rows=3000), f"{prefix[5:]}/log.parquet", filesystem=gcs.arrow_fs())
+    code = ("import sys; from recloss_plugins.sasrec import data as D; "
+            "from recloss_plugins.sasrec.data.prepare import main; "
+            f"D.load_interactions('{prefix}/log.parquet', min_user_interactions=3); "
+            "sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, str(REPO / "configs" / "base.yml"), "dataset_type=interactions",
+                        f"dataset_path={prefix}/log.parquet", f"prepared_data_path={prefix}/prep",
+                        "min_user_interactions=3", "prepare_num_shards=2", "prepare_num_buckets=3"],
+                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "prepared gs://" in r.stdout
+    assert "pending" not in r.stderr and "Task was destroyed" not in r.stderr, r.stderr
+
+
 def test_emulator_that_cannot_start_says_why(tmp_path):
     from gcs_emulator import Emulator
     script = tmp_path / "broken.py"

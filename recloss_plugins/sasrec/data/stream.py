@@ -30,31 +30,32 @@ OPTIONAL = ("event_type", "is_organic", "played_ratio_pct")
 def _batches(path, fmt: str, want: Dict[str, str], optional: Sequence[str], chunk_rows: int,
              block_bytes: int) -> Iterator[pa.RecordBatch]:
     fs, inner = fsspec.core.url_to_fs(os.fspath(path))
-    if fmt == "parquet":
+    with fs.open(inner, "rb") as handle:     # closed at the end: no gcsfs task left pending at exit
+        if fmt == "parquet":
+            try:
+                pf = pq.ParquetFile(handle)
+            except Exception as err:  # pyarrow raises several types for corrupt files
+                raise DataError(f"{str(path)!r} is not a readable Parquet file: {err}") from err
+            names = list(pf.schema_arrow.names)
+            for key, col in want.items():
+                if col not in names:
+                    raise _missing(col, names, path, key)
+            cols = list(dict.fromkeys(list(want.values()) + [c for c in optional if c in names]))
+            yield from pf.iter_batches(batch_size=chunk_rows, columns=cols)
+            return
+        delimiter = "\t" if fmt == "tsv" else ","
         try:
-            pf = pq.ParquetFile(fs.open(inner, "rb"))
-        except Exception as err:  # pyarrow raises several types for corrupt files
-            raise DataError(f"{str(path)!r} is not a readable Parquet file: {err}") from err
-        names = list(pf.schema_arrow.names)
+            reader = pacsv.open_csv(handle, read_options=pacsv.ReadOptions(block_size=block_bytes),
+                                    parse_options=pacsv.ParseOptions(delimiter=delimiter))
+        except Exception as err:
+            raise DataError(f"{str(path)!r} is not a readable {fmt.upper()} file: {err}") from err
+        names = reader.schema.names
         for key, col in want.items():
             if col not in names:
                 raise _missing(col, names, path, key)
         cols = list(dict.fromkeys(list(want.values()) + [c for c in optional if c in names]))
-        yield from pf.iter_batches(batch_size=chunk_rows, columns=cols)
-        return
-    delimiter = "\t" if fmt == "tsv" else ","
-    try:
-        reader = pacsv.open_csv(fs.open(inner, "rb"), read_options=pacsv.ReadOptions(block_size=block_bytes),
-                                parse_options=pacsv.ParseOptions(delimiter=delimiter))
-    except Exception as err:
-        raise DataError(f"{str(path)!r} is not a readable {fmt.upper()} file: {err}") from err
-    names = reader.schema.names
-    for key, col in want.items():
-        if col not in names:
-            raise _missing(col, names, path, key)
-    cols = list(dict.fromkeys(list(want.values()) + [c for c in optional if c in names]))
-    for batch in reader:
-        yield batch.select(cols)
+        for batch in reader:
+            yield batch.select(cols)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:

@@ -67,16 +67,19 @@ def read_columns(path: epath.Path, fmt: str, columns: Dict[str, str], optional: 
     errors); ``fmt`` is csv, tsv or parquet."""
     fs, inner = fsspec.core.url_to_fs(os.fspath(path))
     if fmt == "parquet":
-        try:
-            schema = pq.read_schema(inner, filesystem=fs)
-        except Exception as err:  # pyarrow raises several types for corrupt files
-            raise DataError(f"{str(path)!r} is not a readable Parquet file: {err}") from err
-        names = list(schema.names)
-        for key, col in columns.items():
-            if col not in names:
-                raise _missing(col, names, path, key)
-        want = list(dict.fromkeys(list(columns.values()) + [c for c in optional if c in names]))
-        table = pq.read_table(inner, columns=want, filesystem=fs)
+        # Through a handle we close: pyarrow's own read of an fsspec path leaves gcsfs's prefetch task
+        # pending, which asyncio reports at exit ("Task was destroyed but it is pending!").
+        with fs.open(inner, "rb") as f:
+            try:
+                pf = pq.ParquetFile(f)
+            except Exception as err:  # pyarrow raises several types for corrupt files
+                raise DataError(f"{str(path)!r} is not a readable Parquet file: {err}") from err
+            names = list(pf.schema_arrow.names)
+            for key, col in columns.items():
+                if col not in names:
+                    raise _missing(col, names, path, key)
+            want = list(dict.fromkeys(list(columns.values()) + [c for c in optional if c in names]))
+            table = pf.read(columns=want)
         return _arrow_to_numpy(table, path, set(columns.values()))
     delimiter = "\t" if fmt == "tsv" else ","
     try:

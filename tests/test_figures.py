@@ -117,7 +117,7 @@ def test_render_check_mode(tmp_path, capsys):
     row = text.index("| cutbce_pallas |", head)
     readme.write_text(text[:row] + "| cutbce_pallas | edited by hand |" + text[text.index("\n", row):])
     assert figures.main(["--check", "--readme", str(readme)]) == 1
-    assert "differs from its records" in capsys.readouterr().err
+    assert "differs from what its results files render" in capsys.readouterr().err
     assert figures.main(["--readme", str(readme)]) == 0 and readme.read_text() == text
     assert figures.main(["--check", "--readme", str(readme), "--records", str(tmp_path)]) == 2
     assert "no record file" in capsys.readouterr().err

@@ -680,15 +680,21 @@ def main(argv=None) -> int:
     except RecordError as err:
         print(f"figures: {err}", file=sys.stderr)
         return 2
+    return write_rendered(readme, text, new, args.check, "python -m recloss.bench.figures")
+
+
+def write_rendered(readme: Path, text: str, new: str, check: bool, command: str) -> int:
+    """Writes ``new`` over ``readme`` (whose text is ``text``) unless it is the same; with ``check``,
+    writes nothing and prints the difference. 0 when up to date or written, 1 when ``check`` finds a
+    difference (``command`` is what renders it)."""
     if new == text:
         print(f"figures: {readme} is up to date", file=sys.stderr)
         return 0
-    if args.check:
+    if check:
         import difflib
         sys.stderr.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
-                                                   str(readme), "rendered from the records", n=1))
-        print(f"figures: {readme} differs from its records: run python -m recloss.bench.figures",
-              file=sys.stderr)
+                                                   str(readme), "rendered from the results files", n=1))
+        print(f"figures: {readme} differs from what its results files render: run {command}", file=sys.stderr)
         return 1
     readme.write_text(new)
     print(f"figures: rendered {readme}", file=sys.stderr)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional
 
-from recloss.bench.figures import FIGURES_DIR, README, RecordError
+from recloss.bench.figures import FIGURES_DIR, README, RecordError, write_rendered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,17 +87,7 @@ def main(argv=None) -> int:
     except RecordError as err:
         print(f"figures: {err}", file=sys.stderr)
         return 2
-    if new == text:
-        print(f"figures: {readme} is up to date", file=sys.stderr)
-        return 0
-    if args.check:
-        print(f"figures: {readme} differs from what docs/figures/data renders: run "
-              "`python -m recloss_plugins.sasrec.figures`", file=sys.stderr)
-        return 1
-    readme.write_text(new)
-    print(f"figures: rendered {readme}", file=sys.stderr)
-    return 0
-
+    return write_rendered(readme, text, new, args.check, "python -m recloss_plugins.sasrec.figures")
 
 if __name__ == "__main__":
     sys.exit(main())

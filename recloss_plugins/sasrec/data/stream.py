@@ -19,10 +19,9 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 
 from recloss_plugins.sasrec.data.errors import DataError
-from recloss_plugins.sasrec.data.tables import _arrow_to_numpy, _missing, data_files, format_of
+from recloss_plugins.sasrec.data.tables import _arrow_to_numpy, _missing, data_files, format_of, open_parquet
 
 OPTIONAL = ("event_type", "is_organic", "played_ratio_pct")
 
@@ -32,15 +31,7 @@ def _batches(path, fmt: str, want: Dict[str, str], optional: Sequence[str], chun
     fs, inner = fsspec.core.url_to_fs(os.fspath(path))
     with fs.open(inner, "rb") as handle:     # closed at the end: no gcsfs task left pending at exit
         if fmt == "parquet":
-            try:
-                pf = pq.ParquetFile(handle)
-            except Exception as err:  # pyarrow raises several types for corrupt files
-                raise DataError(f"{str(path)!r} is not a readable Parquet file: {err}") from err
-            names = list(pf.schema_arrow.names)
-            for key, col in want.items():
-                if col not in names:
-                    raise _missing(col, names, path, key)
-            cols = list(dict.fromkeys(list(want.values()) + [c for c in optional if c in names]))
+            pf, cols = open_parquet(handle, path, want, optional)
             yield from pf.iter_batches(batch_size=chunk_rows, columns=cols)
             return
         delimiter = "\t" if fmt == "tsv" else ","

@@ -59,6 +59,20 @@ def _missing(col: str, have: Sequence[str], path, key: str) -> DataError:
                      f"{list(have)}{hint}")
 
 
+def open_parquet(handle, path, columns: Dict[str, str], optional: Sequence[str] = ()):
+    """(ParquetFile of ``handle``, the columns to read): the named ones, checked to exist (a
+    missing one is a DataError naming its config key), then the present ``optional`` ones."""
+    try:
+        pf = pq.ParquetFile(handle)
+    except Exception as err:  # pyarrow raises several types for corrupt files
+        raise DataError(f"{str(path)!r} is not a readable Parquet file: {err}") from err
+    names = list(pf.schema_arrow.names)
+    for key, col in columns.items():
+        if col not in names:
+            raise _missing(col, names, path, key)
+    return pf, list(dict.fromkeys(list(columns.values()) + [c for c in optional if c in names]))
+
+
 def read_columns(path: epath.Path, fmt: str, columns: Dict[str, str], optional: Sequence[str] = ()
                  ) -> Dict[str, np.ndarray]:
     """{column: numpy array} of the named (and present optional) columns of one file.
@@ -70,15 +84,7 @@ def read_columns(path: epath.Path, fmt: str, columns: Dict[str, str], optional: 
         # Through a handle we close: pyarrow's own read of an fsspec path leaves gcsfs's prefetch task
         # pending, which asyncio reports at exit ("Task was destroyed but it is pending!").
         with fs.open(inner, "rb") as f:
-            try:
-                pf = pq.ParquetFile(f)
-            except Exception as err:  # pyarrow raises several types for corrupt files
-                raise DataError(f"{str(path)!r} is not a readable Parquet file: {err}") from err
-            names = list(pf.schema_arrow.names)
-            for key, col in columns.items():
-                if col not in names:
-                    raise _missing(col, names, path, key)
-            want = list(dict.fromkeys(list(columns.values()) + [c for c in optional if c in names]))
+            pf, want = open_parquet(f, path, columns, optional)
             table = pf.read(columns=want)
         return _arrow_to_numpy(table, path, set(columns.values()))
     delimiter = "\t" if fmt == "tsv" else ","

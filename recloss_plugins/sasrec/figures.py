@@ -89,5 +89,6 @@ def main(argv=None) -> int:
         return 2
     return write_rendered(readme, text, new, args.check, "python -m recloss_plugins.sasrec.figures")
 
+
 if __name__ == "__main__":
     sys.exit(main())

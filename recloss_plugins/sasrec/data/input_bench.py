@@ -189,16 +189,15 @@ def _prepare_mode(args):
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
+    logs = {"int": root / "log.parquet", "string": root / "log-string-ids.parquet"}
     out = {"events": args.events, "repeats": args.repeats, "runs": {"int": [], "string": []}, "log_mib": {}}
-    for kind in ("int", "string"):
-        log = root / ("log.parquet" if kind == "int" else "log-string-ids.parquet")
+    for kind, log in logs.items():
         if not log.exists():
             print(f"writing {log} ({args.events:,} events, {kind} user ids) ...", file=sys.stderr, flush=True)
             write_log(log, args.events, args.users, args.items, string_ids=kind == "string")
         out["log_mib"][kind] = log.stat().st_size / 2**20
     for rep in range(args.repeats):
-        for kind in ("int", "string"):
-            log = root / ("log.parquet" if kind == "int" else "log-string-ids.parquet")
+        for kind, log in logs.items():
             run = _prepare(_prepare_cfg(log, root / f"prepared-{kind}"), env)
             out["runs"][kind].append(run)
             print(f"[{rep + 1}/{args.repeats}] {kind} user ids: {run['seconds']:.1f} s "
@@ -215,7 +214,7 @@ def format_prepare(out: dict) -> str:
     interleaved pair."""
     med = {k: float(np.median([r["seconds"] for r in runs])) for k, runs in out["runs"].items()}
     pairs = [s["seconds"] / i["seconds"] for i, s in zip(out["runs"]["int"], out["runs"]["string"])]
-    lines = ["| user ids | log | preparation (median of " f"{out['repeats']}) | events/s | peak RSS |",
+    lines = [f"| user ids | log | preparation (median of {out['repeats']}) | events/s | peak RSS |",
              "|---|---|---|---|---|"]
     for kind in ("int", "string"):
         runs = out["runs"][kind]

@@ -140,12 +140,15 @@ def iter_chunks(cfg, *, chunk_rows: int = 1 << 20, block_bytes: int = 64 << 20
         for batch in _batches(f, fmt, want, optional, chunk_rows, block_bytes):
             table = pa.Table.from_batches([batch])
             user = table.column(cfg.user_column)
+            keys = None
             if _is_text(user.type):
                 if user.null_count:
                     raise DataError(f"column {cfg.user_column!r} of {str(f)!r} has {user.null_count} null values")
+                keys = string_keys(user)
                 table = table.drop_columns([cfg.user_column])
             t = _arrow_to_numpy(table, f, set(want.values()))
-            t[cfg.user_column] = string_keys(user) if _is_text(user.type) else t[cfg.user_column]
+            if keys is not None:
+                t[cfg.user_column] = keys
             out = {"user": t[cfg.user_column], "item": t[cfg.item_column], "time": t[cfg.timestamp_column]}
             if yambda:
                 keep = _yambda_keep(t, cfg, f)

@@ -84,10 +84,10 @@ def grain_train(argv, initialize=True):
     opened = []
     real_open = shards.open_shard
 
-    def recording_open(manifest, shard):
+    def recording_open(manifest, shard, path=None):
         opened.append(str(manifest.shard_path(shard)))
         (out / f"opened_p{me}.json").write_text(json.dumps(opened))
-        return real_open(manifest, shard)
+        return real_open(manifest, shard, path)
 
     shards.open_shard = recording_open
     if kill_at is not None:

@@ -310,6 +310,70 @@ def _worker(base: str, out: str):
         np.savez(out, **arrays)
 
 
+# A log in the bucket, trained on with prepared_data_path empty: 2 processes x 2 devices, 4 shards.
+FROM_LOG = ["dataset_type=interactions", "min_user_interactions=12", "prepare_num_shards=4",
+            "prepare_num_buckets=3", "ici_fsdp_parallelism=2", "ici_vocab_parallelism=2",
+            "enable_tensorboard=false", "steps=3", "eval_max_users=16", "enable_checkpointing=false"]
+
+
+@pytest.mark.slow
+def test_two_processes_train_a_bucket_log_prepared_once_and_staged_per_host(gcs, tmp_path, rng):
+    """Process 0 prepares the log into the bucket while process 1 waits; each stages and checks only its
+    own two shards; a second run reuses both the preparation and the staged copies."""
+    import pyarrow.parquet as pq
+    prefix = f"{gcs.bucket}/{_prefix()}"
+    pq.write_table(_log(rng, n_users=40, n_rows=1600), f"{prefix}/log.parquet", filesystem=gcs.arrow_fs())
+    env = dict(os.environ, **gcs.env)
+    res = subprocess.run([sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-d", "2", "--timeout", "300",
+                          "--exec", "--", sys.executable, str(Path(__file__).resolve()), "from-log",
+                          f"gs://{prefix}", str(tmp_path)],
+                         capture_output=True, text=True, timeout=360, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
+    assert f"[p0] data: preparing gs://{prefix}/log.parquet once into gs://{prefix}/runs/prepared/" in res.stdout
+    assert "[p0] data: reusing gs://" in res.stdout
+    (folder,) = {n.split("/")[3] for n in gcs.objects(f"{prefix.split('/', 1)[1]}/runs/prepared/")}
+    staged = [json.loads((tmp_path / f"staged_p{p}.json").read_text()) for p in (0, 1)]
+    for p, runs in enumerate(staged):
+        first, second = runs
+        assert first["shards"] == second["shards"] == [2 * p, 2 * p + 1]         # its own shards only
+        assert (first["copied"], first["reused"], first["unchecked"]) == (2, 0, 0)
+        assert (second["copied"], second["reused"]) == (0, 2)
+        assert first["path"].endswith(folder) and first["dir"] == str(tmp_path / "stage")
+    # Both processes share this machine's stage folder: the four checked shards, no partial copy.
+    assert sorted(os.listdir(tmp_path / "stage")) == [f"part-{s:05d}-of-00004.arrayrecord" for s in range(4)]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert len(losses) == 2 and all(np.isfinite(v) for run in losses for v in run.values())
+    assert losses[0] == losses[1]             # the reused preparation and copies are the same data
+
+
+def _from_log_worker(base: str, out: str):
+    """One of two processes: two recloss-train runs on base/log.parquet, recording what each staged."""
+    from recloss_plugins.sasrec import distributed
+    distributed.initialize_from_env()
+    import jax
+
+    from recloss_plugins.sasrec.data import shards
+    from recloss_plugins.sasrec.train import train
+
+    me, runs, real_stage = jax.process_index(), [], shards.stage
+
+    def recording_stage(manifest, shard_ids, stage_dir=None):
+        paths, info = real_stage(manifest, shard_ids, stage_dir)
+        runs.append({**info, "shards": list(shard_ids), "path": manifest.path})
+        return paths, info
+
+    shards.stage = recording_stage
+    say = lambda *a: print(*a, flush=True)  # noqa: E731
+    args = [*FROM_LOG, f"dataset_path={base}/log.parquet", f"prepared_stage_dir={out}/stage"]
+    losses = [train(_cfg(f"{base}/runs", *args, f"run_name={name}"), log=say).losses for name in ("a", "b")]
+    Path(out, f"staged_p{me}.json").write_text(json.dumps(runs))
+    if me == 0:
+        Path(out, "losses.json").write_text(json.dumps([{str(k): float(v) for k, v in r.items()} for r in losses]))
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     sys.path.insert(0, str(REPO))
     _worker(sys.argv[2], sys.argv[3])
+if __name__ == "__main__" and sys.argv[1:2] == ["from-log"]:
+    sys.path.insert(0, str(REPO))
+    _from_log_worker(sys.argv[2], sys.argv[3])

@@ -223,8 +223,10 @@ def test_training_refuses_bad_prepared_data_before_it_starts(tmp_path, prepared)
     base = [str(default_config_path()), "dataset_type=interactions", f"dataset_path={prepared.dataset_path}",
             "num_labels=3", "max_seq_len=6", f"base_output_directory={tmp_path / 'runs'}", "run_name=r",
             "emb_dim=8", "num_heads=1", "mlp_dim=8", "num_layers=1"]
-    with pytest.raises(S.ShardError, match="config key 'prepared_data_path' is empty: run `recloss-prepare-data"):
-        T.train(load_config(base))
+    # An empty prepared_data_path prepares the log first (tests/test_prepare_cache.py); a log it
+    # cannot prepare stops the run there.
+    with pytest.raises(D.DataError, match="'who'"):
+        T.train(load_config(base + ["user_column=who"]))
     with pytest.raises(S.ShardError, match="prepared with num_labels=3, this run has num_labels=2"):
         T.train(load_config(base + [f"prepared_data_path={prepared.prepared_data_path}", "num_labels=2",
                                     "global_batch_size=8"]), devices=[__import__("jax").devices()[0]])

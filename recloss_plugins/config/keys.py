@@ -136,6 +136,8 @@ SCHEMA = {
     "yambda_min_played_ratio_pct": Key(float, lambda v: 0 <= v <= 100, "a float in [0, 100]"),
     "data_pipeline": Key(str, choices=("grain", "memory")),
     "prepared_data_path": Key(str),
+    "prepared_cache_dir": Key(str),
+    "prepared_stage_dir": Key(str),
     "prepare_num_shards": _pos_int(),
     "prepare_num_buckets": _pos_int(),
     "grain_read_threads": _pos_int(),

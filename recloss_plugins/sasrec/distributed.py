@@ -131,3 +131,10 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None,
         initialize = jax.distributed.initialize
     initialize(**kwargs)
     return DistributedSetup(reason, kwargs)
+
+
+def coordination_client():
+    """JAX's coordination-service client (key-value store, barriers) once `jax.distributed` is
+    started, else None. jax 0.10 to 0.12 expose it only as ``jax._src.distributed.global_state``."""
+    from jax._src import distributed as jax_distributed
+    return getattr(jax_distributed.global_state, "client", None)

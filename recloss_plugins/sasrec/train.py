@@ -114,7 +114,9 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
     if dataset is not None:
         ds = dataset
     elif pipeline_lib.uses_grain(cfg):
-        ds = pipeline_lib.grain_data_for(cfg, jax.process_index(), jax.process_count())
+        ds = pipeline_lib.grain_data_for(cfg, jax.process_index(), jax.process_count(), log=say,
+                                         progress_stream=progress_stream if is_main else None,
+                                         client=distributed.coordination_client())
     else:
         ds = data_lib.build_dataset(cfg)
     vocab = ds.vocab_size
@@ -124,6 +126,14 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
                               f"{vocab - 1} items (+1 padding = {vocab}); set vocab_size: 0 or >= {vocab}")
         vocab = cfg.vocab_size
     if isinstance(ds, pipeline_lib.GrainData):
+        if ds.staged is not None:
+            st = ds.staged
+            say(f"data: process {ds.process_index} staged its {st['copied'] + st['reused']} shards of "
+                f"{ds.manifest.path} in {st['dir']}: {st['copied']} copied"
+                + (f" ({st['bytes'] / 2**20:.1f} MiB)" if st['copied'] else "")
+                + f", {st['reused']} already there, each checked by size and SHA-256"
+                + (f" ({st['unchecked']} by size only: prepared before checksums)" if st['unchecked'] else "")
+                + f" ({st['seconds']:.1f}s)")
         c = ds.counts()
         say(f"data: {cfg.dataset_type} via grain, {c['users']} users, {c['interactions']} interactions, "
             f"{c['items']} items (V={vocab} with padding); {ds.manifest.num_shards} shards in "

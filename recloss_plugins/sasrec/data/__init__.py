@@ -18,6 +18,7 @@ Modules:
     shards     the prepared-shard layout (manifest, ArrayRecord shards), ShardError
     prepare    recloss-prepare-data: a log -> per-user sequence shards
     pipeline   the Grain pipeline over prepared shards: GrainData, each process its share
+    cache      recloss-train on a log: prepared once into a folder keyed by its files and keys
 """
 
 from recloss_plugins.sasrec.data.batching import TrainBatches

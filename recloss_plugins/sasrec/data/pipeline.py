@@ -127,13 +127,16 @@ class GrainData:
       path: the prepared directory (`recloss-prepare-data`'s prepared_data_path).
       max_seq_len, num_labels: N and L of the splits.
       process_index, process_count: this process and the job's count (jax.process_index/count).
+      stage_dir: for a gs:// ``path``, the local folder this process's shards are copied to and
+        checked in (`shards.stage`; default `shards.default_stage_dir`). ``staged`` then says
+        what was copied.
     Raises:
       shards.ShardError: shards missing, empty, from another preparation, or not divisible over
         the processes; a shard without a train user.
     """
 
     def __init__(self, path, *, max_seq_len: int, num_labels: int, process_index: int = 0,
-                 process_count: int = 1):
+                 process_count: int = 1, stage_dir: Optional[str] = None):
         self.manifest = shards_lib.load_manifest(path)
         self.max_seq_len, self.num_labels = int(max_seq_len), int(num_labels)
         self.process_index, self.process_count = int(process_index), int(process_count)
@@ -143,9 +146,12 @@ class GrainData:
         self._eval: Dict[str, EvalSplit] = {}
         self._local: Optional[Sequences] = None
         self._readers, self._lengths = [], []
+        local, self.staged = {}, None
+        if self.manifest.path.startswith("gs://"):
+            local, self.staged = shards_lib.stage(self.manifest, self.shard_ids, stage_dir)
         for s in self.shard_ids:
-            reader, lengths = shards_lib.open_shard(self.manifest, s)
-            self.opened.append(str(self.manifest.shard_path(s)))
+            reader, lengths = shards_lib.open_shard(self.manifest, s, local.get(s))
+            self.opened.append(local.get(s, str(self.manifest.shard_path(s))))
             self._readers.append(reader)
             self._lengths.append(lengths)
         self.sources = [ShardTrainSource(r, n, self.max_seq_len, self.num_labels)
@@ -243,13 +249,15 @@ def uses_grain(cfg) -> bool:
     return cfg.dataset_type != "synthetic" and cfg.data_pipeline == "grain"
 
 
-def grain_data_for(cfg, process_index: int, process_count: int) -> GrainData:
-    """`GrainData` of the config's prepared_data_path for this process."""
-    if not cfg.prepared_data_path:
-        raise shards_lib.ShardError(
-            f"dataset_type {cfg.dataset_type!r} with data_pipeline: grain reads prepared shards, but "
-            "config key 'prepared_data_path' is empty: run `recloss-prepare-data CONFIG "
-            "prepared_data_path=DIR` once and train with the same prepared_data_path (or set "
-            "data_pipeline=memory to load the whole log on every process)")
-    return GrainData(cfg.prepared_data_path, max_seq_len=cfg.max_seq_len, num_labels=cfg.num_labels,
-                     process_index=process_index, process_count=process_count)
+def grain_data_for(cfg, process_index: int, process_count: int, *, log=print, progress_stream=None,
+                   client=None) -> GrainData:
+    """`GrainData` of the config's prepared_data_path for this process; with it empty, of the log's
+    cache folder, which process 0 prepares first when needed (`cache.prepared_path`, whose
+    ``client`` a multi-process run passes)."""
+    from recloss_plugins.sasrec.data import cache
+
+    path = cache.prepared_path(cfg, process_index=process_index, process_count=process_count, log=log,
+                               progress_stream=progress_stream, client=client)
+    return GrainData(path, max_seq_len=cfg.max_seq_len, num_labels=cfg.num_labels,
+                     process_index=process_index, process_count=process_count,
+                     stage_dir=cfg.prepared_stage_dir or None)

@@ -34,7 +34,8 @@ from typing import Callable, List, Optional
 import numpy as np
 
 from recloss_plugins.sasrec.data.errors import DataError
-from recloss_plugins.sasrec.data.shards import (FORMAT, MANIFEST, WRITER_OPTIONS, ShardError, shard_name)
+from recloss_plugins.sasrec.data.shards import (FORMAT, MANIFEST, WRITER_OPTIONS, ShardError, file_sha256,
+                                                shard_name)
 from recloss_plugins.sasrec.data.storage import as_path, make_dir
 from recloss_plugins.sasrec.data.stream import iter_chunks
 
@@ -107,18 +108,20 @@ def _hash_vocab(raw: np.ndarray, source: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optional[str] = None) -> dict:
-    """Prepares the config's log under ``cfg.prepared_data_path``; returns the manifest dict
-    (plus 'seconds' and 'bytes'). See the module docstring for the passes and the layout."""
+def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optional[str] = None,
+            output=None) -> dict:
+    """Prepares the config's log under ``cfg.prepared_data_path`` (or ``output``, recloss-train's
+    cache folder); returns the manifest dict (plus 'seconds' and 'bytes'). See the module
+    docstring for the passes and the layout."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
     from recloss_plugins.sasrec.logging_utils import Progress
 
-    if not cfg.prepared_data_path:
+    if output is None and not cfg.prepared_data_path:
         raise DataError("config key 'prepared_data_path' is empty: set the directory the shards go to")
     S, K, min_len, L = cfg.prepare_num_shards, cfg.prepare_num_buckets, cfg.min_user_interactions, cfg.num_labels
     t0 = time.perf_counter()
-    out = as_path(cfg.prepared_data_path, "prepared_data_path")
+    out = as_path(cfg.prepared_data_path if output is None else output, "prepared_data_path")
     tmp = tempfile.mkdtemp(prefix="recloss-prepare-", dir=work_dir)
     try:
         # ---- pass 1: bucket the events by user
@@ -205,6 +208,7 @@ def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optio
 
         def finish():
             writer.close()
+            digest = file_sha256(local_tmp)
             name = shard_name(shard, S)
             dest = out / name
             if str(dest).startswith("gs://"):
@@ -214,7 +218,7 @@ def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optio
             lo, hi = bounds[shard], bounds[shard + 1]
             shard_info.append({"name": name, "num_users": int(hi - lo),
                                "num_interactions": int(all_lengths[lo:hi].sum()),
-                               "bytes": int(dest.stat().length)})
+                               "bytes": int(dest.stat().length), "sha256": digest})
             progress.update(shard + 1)
 
         for k in range(K):

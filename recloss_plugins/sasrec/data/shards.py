@@ -10,13 +10,20 @@ A prepared directory (local or gs://, `storage.as_path`) holds
 Shard records: 0 is a JSON header {format, vocab_hash, shard, num_shards, num_users}; 1 is the
 int32 lengths of the shard's users; record 2 + u is user u's dense item ids (int32, time order).
 Records are written one per chunk (group_size 1), so any user is one random read.
+
+ArrayRecord reads local files only: a process training on a gs:// preparation first copies its
+own shards to local disk (`stage`), each checked against the size and SHA-256 the manifest lists.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-from typing import List, Tuple
+import os
+import tempfile
+import time
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -28,6 +35,7 @@ MANIFEST = "prepared.json"
 HEADER_RECORDS = 2          # header, lengths
 WRITER_OPTIONS = "group_size:1"
 READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"   # random access
+_COPY_BYTES = 8 << 20
 
 
 class ShardError(DataError):
@@ -47,7 +55,7 @@ class Manifest:
     num_items: int
     num_interactions: int
     num_labels: int             # popularity.npy counts the train region of this L
-    shards: Tuple[dict, ...]    # {name, num_users, num_interactions, bytes}
+    shards: Tuple[dict, ...]    # {name, num_users, num_interactions, bytes, sha256}
     source: dict                # dataset_type, dataset_path, filters
 
     @property
@@ -88,17 +96,91 @@ def load_manifest(path) -> Manifest:
                     int(m["num_interactions"]), int(m["num_labels"]), tuple(m["shards"]), m["source"])
 
 
-def open_shard(manifest: Manifest, shard: int):
+def file_sha256(path) -> str:
+    """The hex SHA-256 of the file ``path`` (local or gs://), read in 8 MiB pieces."""
+    h = hashlib.sha256()
+    with as_path(path, "prepared_data_path").open("rb") as f:
+        while piece := f.read(_COPY_BYTES):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def _matches(path: str, entry: dict) -> bool:
+    return (os.path.isfile(path) and os.path.getsize(path) == int(entry["bytes"])
+            and ("sha256" not in entry or file_sha256(path) == entry["sha256"]))
+
+
+def default_stage_dir(manifest: Manifest) -> str:
+    """Where `stage` copies a gs:// preparation by default: one folder per preparation under the
+    system's temporary directory (the same on every run, so a restart reuses what is there)."""
+    tag = hashlib.sha256(f"{manifest.path}|{manifest.vocab_hash}|{manifest.num_shards}".encode()).hexdigest()
+    return os.path.join(tempfile.gettempdir(), "recloss-staged", tag[:16])
+
+
+def stage(manifest: Manifest, shard_ids: List[int], stage_dir: Optional[str] = None
+          ) -> Tuple[Dict[int, str], dict]:
+    """Copies shards ``shard_ids`` of a gs:// preparation to local disk, each checked.
+
+    A local copy whose size and SHA-256 match the manifest is kept; any other is copied again
+    (through a temporary name, so a killed copy is never taken for a whole one).
+
+    Returns:
+      ({shard: local path}, {'dir', 'copied', 'reused', 'bytes' copied, 'seconds', 'unchecked'}),
+      'unchecked' counting shards whose manifest entry has no sha256 (prepared before checksums;
+      their size alone was checked).
+    Raises:
+      ShardError: a shard object missing, or whose bytes differ from the manifest's size or
+        SHA-256 (a partial or corrupt upload), naming it.
+    """
+    t0 = time.perf_counter()
+    root = stage_dir or default_stage_dir(manifest)
+    os.makedirs(root, exist_ok=True)
+    paths, info = {}, {"dir": root, "copied": 0, "reused": 0, "bytes": 0, "seconds": 0.0, "unchecked": 0}
+    for s in shard_ids:
+        entry = manifest.shards[s]
+        src, dest = manifest.shard_path(s), os.path.join(root, entry["name"])
+        paths[s] = dest
+        info["unchecked"] += "sha256" not in entry
+        if _matches(dest, entry):
+            info["reused"] += 1
+            continue
+        if not src.exists():
+            raise ShardError(f"prepared shard {str(src)!r} is missing ({manifest.num_shards} shards are listed "
+                             f"in {MANIFEST}); copy the whole prepared directory or prepare again")
+        partial, h, n = f"{dest}.partial-{os.getpid()}", hashlib.sha256(), 0
+        try:
+            with src.open("rb") as fin, open(partial, "wb") as fout:
+                while piece := fin.read(_COPY_BYTES):
+                    h.update(piece)
+                    fout.write(piece)
+                    n += len(piece)
+            want_bytes, want_sha = int(entry["bytes"]), entry.get("sha256", h.hexdigest())
+            if n != want_bytes or h.hexdigest() != want_sha:
+                raise ShardError(f"prepared shard {str(src)!r} does not match {MANIFEST}: it has {n:,} bytes "
+                                 f"and SHA-256 {h.hexdigest()[:16]}..., the manifest lists {want_bytes:,} bytes "
+                                 f"and {want_sha[:16]}... (a partial or corrupt upload); prepare again")
+            os.replace(partial, dest)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+        info["copied"] += 1
+        info["bytes"] += n
+    info["seconds"] = time.perf_counter() - t0
+    return paths, info
+
+
+def open_shard(manifest: Manifest, shard: int, path: Optional[str] = None):
     """(reader, lengths [users] int32) of one shard, its header checked against the manifest.
 
+    path: where the shard's file is, when not in the prepared directory (a `stage`d copy).
     Raises ShardError when the file is missing, empty, or from another preparation."""
     from array_record.python.array_record_module import ArrayRecordReader
 
-    path = manifest.shard_path(shard)
+    path = manifest.shard_path(shard) if path is None else as_path(path, "prepared_stage_dir")
     if str(path).startswith("gs://"):
         raise ShardError(f"prepared shard {str(path)!r} is a gs:// object, but ArrayRecord reads local files "
-                         "only: mount the bucket on every host (gcsfuse) and set prepared_data_path to the "
-                         "mount's path (recloss-prepare-data itself may write to gs://)")
+                         "only: stage it first (shards.stage, which GrainData does for a gs:// "
+                         "prepared_data_path)")
     if not path.exists():
         raise ShardError(f"prepared shard {str(path)!r} is missing ({manifest.num_shards} shards are listed "
                          f"in {MANIFEST}); copy the whole prepared directory or prepare again")

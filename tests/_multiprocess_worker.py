@@ -55,12 +55,25 @@ def loss_and_grads(inputs, layout):
         inputs["hidden"], inputs["table"], inputs["bias"], inputs["targets"], inputs["weights"])
 
 
+def _save_params(path, params):
+    """Process 0 writes the (gathered) parameter pytree ``params`` to ``path`` (.npz, keystr names);
+    every process must call it (the gather is collective)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() == 0:
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        np.savez(path, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
+
+
 def grain_train(argv, initialize=True):
     """``grain-train OUT [--kill-at STEP] CONFIG key=value ...``: one process of a recloss-train run on
     the Grain pipeline (started by launch/local.py --exec, or alone). Writes OUT/opened_p<i>.json (the
     shard files this process opened) and, from process 0, OUT/params.npz (the final parameters,
-    gathered) and OUT/evals.json. With --kill-at the process SIGKILLs itself right after the
-    checkpoint of that step is on disk: a kill -9 with nothing flushed or closed."""
+    gathered), OUT/evals.json and, for a resumed run, OUT/restored.npz (the parameters as restored).
+    With --kill-at the process writes OUT/saved.npz (the parameters it checkpoints at that step) and
+    SIGKILLs itself right after that checkpoint is on disk: a kill -9 with nothing flushed or closed."""
     import json
     import os
     import signal
@@ -96,16 +109,24 @@ def grain_train(argv, initialize=True):
         def save_then_die(self, step, *a, **k):
             real_save(self, step, *a, **k)
             if step == kill_at:
+                _save_params(out / "saved.npz", a[0]["params"])
                 self.manager.wait_until_finished()
                 multihost_utils.sync_global_devices("checkpoint on disk")
                 os.kill(os.getpid(), signal.SIGKILL)
 
         train.Checkpoints.save = save_then_die
+    real_resume = train._resume_or_init
+
+    def recording_resume(*a, **k):
+        state, position, start = real_resume(*a, **k)
+        if start:
+            _save_params(out / "restored.npz", state["params"])
+        return state, position, start
+
+    train._resume_or_init = recording_resume
     res = train.train(load_config(argv), log=lambda *a: print(*a, flush=True))
-    params = multihost_utils.process_allgather(res.state["params"], tiled=True)
+    _save_params(out / "params.npz", res.state["params"])
     if me == 0:
-        flat = jax.tree_util.tree_flatten_with_path(params)[0]
-        np.savez(out / "params.npz", **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
         (out / "evals.json").write_text(json.dumps({"evals": res.evals, "losses": res.losses}))
 
 

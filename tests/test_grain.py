@@ -105,6 +105,31 @@ def test_iterator_state_restores_the_following_batches(prepared):
             np.testing.assert_array_equal(a[k], b[k])
 
 
+def test_a_position_saved_by_another_process_count_continues_the_same_global_batches(prepared):
+    """train._continue_grain: each process of a resume on another process count starts at global batch
+    ``step``; what it then reads is its part of what the saving processes would have read next.
+    Positions that disagree with the step, or a state of another shape, are refused by name."""
+    from recloss_plugins.config import ConfigError
+    from recloss_plugins.sasrec import train as T
+
+    B, step = 8, 7
+    halves = [_data(prepared, p, 2).train_iterator(B, seed=3) for p in range(2)]
+    for it in halves:
+        _take(it, step)
+    saved = {p: it.get_state() for p, it in enumerate(halves)}
+    expected = [np.concatenate(parts) for parts in zip(*[[b["inputs"] for b in _take(it, 3)] for it in halves])]
+    one = _data(prepared).train_iterator(B, seed=3)
+    T._continue_grain(one, saved, step, "run")
+    for want, got in zip(expected, _take(one, 3)):
+        np.testing.assert_array_equal(got["inputs"], want)
+
+    with pytest.raises(ConfigError, match=r"input positions \{0: 7, 1: 6\} are not all 7"):
+        T._continue_grain(_data(prepared).train_iterator(B, seed=3), {0: saved[0], 1: {"next_index": 6}}, step, "r")
+    with pytest.raises(ConfigError, match=r"saved input state has fields \['epoch', 'next_index'\]"):
+        T._continue_grain(_data(prepared).train_iterator(B, seed=3),
+                          {p: {**st, "epoch": 1} for p, st in saved.items()}, step, "r")
+
+
 def test_put_process_local_builds_the_global_batch(prepared):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2, 1), ("data", "fsdp", "vocab"))
     sh = jax.sharding.NamedSharding(mesh, parallel.layout_for(mesh).batch_spec(2))

@@ -149,3 +149,81 @@ def test_grain_kill_9_mid_epoch_then_resume_gives_the_uninterrupted_parameters(g
         assert resumed.losses[s] == ref.losses[s], s
     for a, b in zip(jax.tree.leaves(ref.state["params"]), jax.tree.leaves(resumed.state["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _grain_launch_processes(args, out, n, d, *extra):
+    """The Grain worker as ``n`` processes x ``d`` devices meeting through jax.distributed (launch/local.py)."""
+    out.mkdir()
+    cmd = [sys.executable, str(WORKER.parents[1] / "launch" / "local.py"), "-n", str(n), "-d", str(d), "--timeout",
+           str(TIMEOUT_S), "--exec", "--", sys.executable, str(WORKER), "grain-train", str(out), *extra, *args]
+    env = dict(os.environ, PYTHONPATH=str(WORKER.parents[1]), XLA_FLAGS=xla_flags(d), JAX_PLATFORMS="cpu")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S + 60, env=env, cwd=out)
+
+
+@pytest.mark.slow
+def test_grain_kill_9_on_2_processes_then_resume_on_1_and_on_4_continues_the_same_run(grain_job):
+    """2 processes x 4 devices, kill -9 after the step-4 checkpoint; the run resumed as 1 x 8 and as
+    4 x 2 restores exactly the saved parameters onto its own mesh, continues the same global batches
+    and ends as the uninterrupted run (within the 2-vs-1-process rounding of the test above)."""
+    import json
+    import shutil
+
+    from recloss_plugins.config import load_config
+    from recloss_plugins.sasrec import train as T
+
+    tmp, args, ref = grain_job
+    kill_at, runs = 4, tmp / "runs"
+    res = _grain_launch_processes(args + ["run_name=elastic"], tmp / "elastic", 2, 4, "--kill-at", str(kill_at))
+    assert res.returncode != 0 and "step 4/6" in res.stdout and "step 5/6" not in res.stdout, \
+        res.stdout[-3000:] + res.stderr[-3000:]
+    data = runs / "elastic" / "checkpoints" / str(kill_at) / "data"
+    assert sorted(p.name for p in data.glob("process_*")) == ["process_0-of-2.json", "process_1-of-2.json"]
+    saved = _params(tmp / "elastic" / "saved.npz")
+    for name in ("on1", "on4"):
+        shutil.copytree(runs / "elastic", runs / name)
+
+    # 1 process x 8 devices, in this process (the restored state is what _resume_or_init returns).
+    lines, restored = [], {}
+    real = T._resume_or_init
+
+    def recording(*a, **k):
+        out = real(*a, **k)
+        flat = jax.tree_util.tree_flatten_with_path(out[0]["params"])[0]
+        restored.update({jax.tree_util.keystr(p): np.asarray(v) for p, v in flat})
+        return out
+
+    T._resume_or_init = recording
+    try:
+        on1 = T.train(load_config(args + ["run_name=on1"]), devices=jax.devices()[:8], log=lines.append)
+    finally:
+        T._resume_or_init = real
+    said = next(line for line in lines if line.startswith("resumed from"))
+    assert "step 4 (data position 64); saved by 2 processes, resumed on 1:" in said, said
+    assert "continues the same global order from global batch 4" in said, said
+
+    # 4 processes x 2 devices.
+    res = _grain_launch_processes(args + ["run_name=on4"], tmp / "on4", 4, 2)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
+    assert "saved by 2 processes, resumed on 4:" in res.stdout and "process 0 of 4 reads shards 0..1" in res.stdout
+    got4 = json.loads((tmp / "on4" / "evals.json").read_text())
+
+    assert sorted(restored) == sorted(saved) and len(saved) > 3
+    for k, v in saved.items():
+        np.testing.assert_array_equal(restored[k], v, err_msg=k)
+        np.testing.assert_array_equal(_params(tmp / "on4" / "restored.npz")[k], v, err_msg=k)
+    flat = dict((jax.tree_util.keystr(k), np.asarray(v))
+                for k, v in jax.tree_util.tree_flatten_with_path(ref.state["params"])[0])
+    final4 = _params(tmp / "on4" / "params.npz")
+    final1 = {jax.tree_util.keystr(k): np.asarray(v)
+              for k, v in jax.tree_util.tree_flatten_with_path(on1.state["params"])[0]}
+    for losses, final in ((on1.losses, final1), ({int(k): v for k, v in got4["losses"].items()}, final4)):
+        assert sorted(losses) == [4, 5]
+        for s, v in losses.items():
+            assert abs(v - ref.losses[s]) <= 1e-5 * abs(ref.losses[s]), (s, v, ref.losses[s])
+        for k, v in flat.items():
+            assert _rel(final[k], v) <= 1e-4, k
+    for evals in (on1.evals, got4["evals"]):
+        for name in ("dev", "test"):
+            assert evals[name]["users"] == ref.evals[name]["users"]
+            for k, v in ref.evals[name].items():
+                assert np.isfinite(evals[name][k]) and abs(evals[name][k] - v) <= 1.0 / ref.evals[name]["users"] + 1e-9

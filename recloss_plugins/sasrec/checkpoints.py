@@ -4,8 +4,10 @@ iterator state; what a resume checks before it restores (shapes, the PRNG implem
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 import jax
 
@@ -50,6 +52,24 @@ class Checkpoints:
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore(), **extra))
         return out["state"], out["meta"]
+
+    def data_states(self, step: int) -> Dict[int, dict]:
+        """{process index: saved Grain iterator state} of checkpoint ``step`` (one file per process
+        of the run that saved it), or {} when it holds no iterator state."""
+        found = {}
+        folder = self.directory / str(step) / "data"
+        if not folder.exists():
+            return found
+        counts = set()
+        for f in folder.iterdir():
+            m = re.fullmatch(r"process_(\d+)-of-(\d+)\.json", f.name)
+            if m:
+                found[int(m.group(1))] = json.loads(f.read_text())
+                counts.add(int(m.group(2)))
+        if len(counts) > 1 or (counts and sorted(found) != list(range(counts.pop()))):
+            raise ValueError(f"checkpoint {step} in {self.directory} holds iterator states "
+                             f"{sorted(f.name for f in folder.iterdir())}, not one per process of one run")
+        return found
 
     def meta(self, step: int) -> dict:
         """The JSON record of checkpoint ``step`` alone (no array is read)."""

@@ -207,7 +207,8 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
             if is_ckpt:
                 ckpt.save(done, state, {"step": done, "data_position": position, "vocab_size": vocab,
                                         "table_rows": program.rows, "global_batch_size": B, "loss": cfg.loss,
-                                        "seed": cfg.seed, "prng_impl": program.prng_impl},
+                                        "seed": cfg.seed, "prng_impl": program.prng_impl,
+                                        "process_count": jax.process_count()},
                           data=None if grain_it is None else pipeline_lib.frozen_state(grain_it))
                 log.last_saved = done
             if cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.steps:
@@ -244,8 +245,10 @@ def _resume_or_init(cfg, program, vocab, run_dir, ckpt, grain_it, say):
             f"cannot resume {run_dir} from step {latest}: its checkpoint holds {saved_impl} PRNG keys, but "
             f"this trainer draws {program.prng_impl} keys (pinned, whatever jax_default_prng_impl says); "
             f"resuming would change the dropout and negatives streams mid-run. Use a new run_name")
+    saved = ckpt.data_states(latest) if grain_it is not None else {}
+    elastic = bool(saved) and len(saved) != jax.process_count()
     try:
-        state, meta = ckpt.restore(latest, program.abstract_state, data=grain_it)
+        state, meta = ckpt.restore(latest, program.abstract_state, data=None if elastic else grain_it)
     except Exception as err:  # shape/structure mismatch: a different model in this run_name
         raise ConfigError(f"cannot resume {run_dir} from step {latest}: {err}. The checkpoint was "
                           "written by a different model/vocabulary; use a new run_name") from err
@@ -253,8 +256,32 @@ def _resume_or_init(cfg, program, vocab, run_dir, ckpt, grain_it, say):
         raise ConfigError(f"cannot resume {run_dir}: its checkpoint has V={meta.get('vocab_size')}, "
                           f"{meta.get('table_rows')} rows; this run has V={vocab}, {program.rows} rows")
     position, start = int(meta["data_position"]), int(meta["step"])
-    say(f"resumed from {ckpt.directory} step {start} (data position {position})")
+    how = ""
+    if elastic:
+        _continue_grain(grain_it, saved, start, run_dir)
+        how = (f"; saved by {len(saved)} processes, resumed on {jax.process_count()}: parameters and optimizer "
+               f"state restored onto this mesh, and the input continues the same global order from global "
+               f"batch {start}, as an uninterrupted run (each process's Grain position re-derived from the "
+               f"step, which all {len(saved)} saved positions match)")
+    say(f"resumed from {ckpt.directory} step {start} (data position {position}){how}")
     return state, position, start
+
+
+def _continue_grain(grain_it, saved: dict, step: int, run_dir) -> None:
+    """Sets a Grain iterator of this run to global batch ``step``, where a checkpoint saved by another
+    process count left off. Every process's stream is global batch t = every shard's t-th B/S rows,
+    whatever the process count, so its position is the step; the saved ones must all say so."""
+    positions = {p: st.get("next_index") for p, st in saved.items()}
+    if set(positions.values()) != {step}:
+        raise ConfigError(f"cannot resume {run_dir} on {jax.process_count()} processes: its checkpoint at step "
+                          f"{step} was saved by {len(saved)} processes whose input positions {positions} are not "
+                          f"all {step}, so the global order cannot be re-derived; resume on {len(saved)} processes")
+    fresh = grain_it.get_state()
+    if set(fresh) != set(saved[0]):
+        raise ConfigError(f"cannot resume {run_dir} on {jax.process_count()} processes: the saved input state "
+                          f"has fields {sorted(saved[0])}, this run's has {sorted(fresh)} (another Grain version "
+                          f"or pipeline); resume on {len(saved)} processes")
+    grain_it.set_state({**fresh, "next_index": step})
 
 
 class _StepLog:

@@ -139,7 +139,8 @@ def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optio
                 for k in range(K):
                     sel = order[cuts[k]:cuts[k + 1]]
                     if sel.size:
-                        _append(files[k], (chunk["user"][sel], chunk["item"][sel], chunk["time"][sel]))
+                        # take(axis=0), not [sel]: numpy's fancy index of [rows, 2] keys is ~4x slower.
+                        _append(files[k], [np.take(chunk[c], sel, axis=0) for c in ("user", "item", "time")])
                 rows += n
                 progress.extra = f" {rows:,} events read"
                 progress.update(0, force=True)

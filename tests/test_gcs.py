@@ -271,6 +271,8 @@ def test_two_processes_checkpoint_to_bucket_and_resume_exactly(gcs, tmp_path):
                          capture_output=True, text=True, timeout=360, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
     assert "[p0] resumed from gs://" in res.stdout and "step 2" in res.stdout
+    # Quiet on the emulator: TensorStore (Orbax's arrays) does not search for credentials.
+    assert "Could not find the credentials file" not in res.stdout + res.stderr
     got = np.load(out)
     full = [got[k] for k in sorted(got.files) if k.startswith("full")]
     resumed = [got[k] for k in sorted(got.files) if k.startswith("resumed")]
@@ -329,6 +331,7 @@ def test_two_processes_train_a_bucket_log_prepared_once_and_staged_per_host(gcs,
                           f"gs://{prefix}", str(tmp_path)],
                          capture_output=True, text=True, timeout=360, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
+    assert "Task was destroyed" not in res.stdout + res.stderr
     assert f"[p0] data: preparing gs://{prefix}/log.parquet once into gs://{prefix}/runs/prepared/" in res.stdout
     assert "[p0] data: reusing gs://" in res.stdout
     (folder,) = {n.split("/")[3] for n in gcs.objects(f"{prefix.split('/', 1)[1]}/runs/prepared/")}

@@ -100,6 +100,9 @@ def as_path(value, key: str = "path", *, check: bool = True) -> epath.Path:
     emulator = emulator_url()
     if emulator is not None:
         os.environ.setdefault(TENSORSTORE_ENV, emulator)
+        # TensorStore's own emulator tests set this: a fixed token the emulator ignores, instead of a
+        # search for credentials that ends in an "E ... Could not find the credentials file" line.
+        os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
         # The emulator has no storage-control API: keep gcsfs from probing it on every call.
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     return epath.Path(f"gs://{rest.rstrip('/')}" if rest.rstrip("/") else f"gs://{bucket}")

@@ -7,6 +7,7 @@
 from recloss import _version
 from recloss.api import bce_loss, sampled_loss, softmax_loss
 from recloss.assemble import LossOutput
+from recloss.bias import sampled_bias
 from recloss.options import LossOptions
 from recloss.sampled import log_q_from_counts
 from recloss.registry import available_strategies, get_strategy, register_strategy, unregister_strategy
@@ -26,6 +27,7 @@ __all__ = [
     "padded_vocab_size",
     "psum_in_place",
     "register_strategy",
+    "sampled_bias",
     "sampled_loss",
     "softmax_loss",
     "unregister_strategy",

@@ -278,3 +278,19 @@ def test_sampled_option_errors_name_the_key(args, key, fragment):
     with pytest.raises(ConfigError) as info:
         load_config([str(BASE), *args])
     assert repr(key) in str(info.value) and fragment in str(info.value), str(info.value)
+
+
+def test_sampled_proposal_auto_is_each_losss_own_and_an_explicit_value_wins():
+    import numpy as np
+
+    from recloss_plugins.sasrec.program import PROPOSAL_BY_LOSS, proposal_log_q, proposal_of
+    assert load_config([]).sampled_proposal == "auto"
+    counts = np.arange(11.0)
+    for loss in ("sampled_softmax", "gbce"):
+        cfg = load_config([f"loss={loss}"])
+        assert proposal_of(cfg) == PROPOSAL_BY_LOSS[loss] == "uniform"
+        lq = proposal_log_q(cfg, 11, counts)
+        assert lq[0] == -np.inf and np.allclose(lq[1:], -np.log(10))
+        explicit = load_config([f"loss={loss}", "sampled_proposal=counts"])
+        assert proposal_of(explicit) == "counts"
+        np.testing.assert_allclose(np.exp(proposal_log_q(explicit, 11, counts))[1:], counts[1:] / counts.sum(), rtol=1e-6)

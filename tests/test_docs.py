@@ -232,7 +232,8 @@ NOT_RUN = (
      "the default job (minutes): tests/test_train.py trains its config on tiny data"),
     (lambda p, a: (p == "make" and a[:1] and a[0] in _MAKE_BENCH) or p in ("recloss-bench", "for")
      or (p in ("python", "python3") and (a[:1] == ["-c"] or a[1:2] in (["recloss.bench.figures"],
-                                                                     ["recloss_plugins.sasrec.data.input_bench"]))),
+                                                                     ["recloss_plugins.sasrec.data.input_bench"],
+                                                                     ["recloss_plugins.sasrec.sampled_bias"]))),
      "a benchmark or figure recording (minutes): its output is the results file the page renders"),
     (lambda p, a: p == "recloss-maxtext-compile" or a[1:2] == ["recloss_plugins.maxtext.train"],
      "needs MaxText and a TPU compile (tests/test_maxtext_*.py)"),

@@ -103,3 +103,28 @@ def test_bad_input_is_a_named_error(rng, kwargs, fragment):
     with pytest.raises(ValueError) as info:
         recloss.sampled_bias(case["hidden"], case["table"], case["targets"], key=jax.random.key(0), **kwargs)
     assert fragment in str(info.value), str(info.value)
+
+
+def test_the_trainer_command_measures_its_own_trained_model(tmp_path, capsys):
+    """`python -m recloss_plugins.sasrec.sampled_bias CONFIG ...`: train, then both proposals and both
+    hit rules for each K on the trained SASRec's first batch, printed as recloss-bench's table."""
+    import json
+
+    from recloss.bench.sampled_bias import format_table
+    from recloss_plugins.config import default_config_path
+    from recloss_plugins.sasrec import sampled_bias as T
+
+    tiny = ["synthetic_num_users=48", "synthetic_num_items=255", "synthetic_min_len=20", "synthetic_max_len=30",
+            "num_labels=4", "max_seq_len=8", "global_batch_size=16", "emb_dim=16", "num_layers=1", "num_heads=2",
+            "mlp_dim=32", "steps=3", "log_period=1", "eval_batch_size=64", "eval_block_v=128", "loss=cutce",
+            f"base_output_directory={tmp_path / 'runs'}"]
+    out = tmp_path / "bias.json"
+    assert T.main([str(default_config_path()), *tiny, "--ks", "4,64", "--draws", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert capsys.readouterr().out.strip() == format_table(data)
+    assert [(r["proposal"], r["hits_removed"], r["num_negatives"]) for r in data["rows"]] == [
+        (p, h, k) for h in (True, False) for p in ("uniform", "counts") for k in (4, 64)]
+    assert data["info"]["vocab"] == 255 and "after 3 steps of loss=cutce" in data["info"]["state"]
+    assert all(-1 <= r["cos_dE"] <= 1 and np.isfinite(r["loss_gap"]) for r in data["rows"])
+    with pytest.raises(SystemExit):
+        T.main([str(default_config_path()), "--draws", "1"])

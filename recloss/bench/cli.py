@@ -242,6 +242,12 @@ def _parser() -> argparse.ArgumentParser:
                              "DIR/jax-<jax>_libtpu-<libtpu>.json (a row of the same topology, objective, "
                              "strategy and shape is replaced); the README's TPU tables are rendered from "
                              "docs/figures/hbm by `python -m recloss.bench.figures`")
+    parser.add_argument("--sampled-bias", action="store_true",
+                        help="instead of timing: sampled_softmax's gradient, averaged over --draws draws, against "
+                             "the exact softmax gradient by K (uniform and counts negatives, accidental hits kept "
+                             "and removed) on a popularity-skewed state (recloss.bench.sampled_bias; --quick: a "
+                             "small catalogue; --plot PATH draws cos dE against K)")
+    parser.add_argument("--draws", type=int, default=32, help="--sampled-bias: draws per K (>= 2)")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="draw the benchmark as a PNG: per-chip HBM of loss+grad vs V (1e5..1e7) from the "
                              "v6e AOT compile and CPU time per step vs V, dense and blocked strategies of both "
@@ -346,6 +352,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.record is not None and not args.topology:
         parser.error("--record DIR records the per-chip HBM rows of --topology; add --topology (e.g. v6e-8)")
+    if args.sampled_bias:
+        return _sampled_bias(parser, args)
     if args.plot:
         return _plot(parser, args)
     if args.repeats < 1:
@@ -361,6 +369,25 @@ def main(argv=None):
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=2)
         _log(f"[bench] wrote {args.json}")
+    return 0
+
+
+def _sampled_bias(parser, args) -> int:
+    from recloss.bench import sampled_bias
+
+    if args.draws < 2:
+        parser.error(f"--draws must be >= 2 (a mean over draws), got {args.draws}")
+    if args.topology or args.record or args.strategies:
+        parser.error("--sampled-bias runs on this machine with its own rows: drop --topology, --record and --strategies")
+    payload = sampled_bias.run(quick=args.quick, draws=args.draws, log=_log)
+    print(sampled_bias.format_table(payload))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(payload, fh, indent=1)
+        _log(f"[bench] wrote {args.json}")
+    if args.plot:
+        sampled_bias.render(payload, args.plot)
+        _log(f"[bench] wrote {args.plot}")
     return 0
 
 

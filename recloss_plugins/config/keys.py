@@ -109,7 +109,7 @@ SCHEMA = {
     "in_batch_negatives": Key(bool),
     "remove_accidental_hits": Key(bool),
     "gbce_t": Key(float),
-    "sampled_proposal": Key(str, choices=("counts", "uniform")),
+    "sampled_proposal": Key(str, choices=("auto", "counts", "uniform")),
     "loss_fsdp_gather": Key(str, choices=("once", "ring")),
     # mesh
     "mesh_axes": Key(list, lambda v: sorted(v) == sorted(MESH_AXES),

@@ -53,6 +53,15 @@ RUN_TABLES: Dict[str, RunTable] = {
         "python -m recloss_plugins.sasrec.data.input_bench --mode prepare --events 20000000 "
         "--json docs/figures/data/prepare-ids.json",
         "recloss_plugins.sasrec.data.input_bench:format_prepare"),
+    "sampled-bias": RunTable(
+        "data/sampled-bias.json",
+        "recloss-bench --sampled-bias --json docs/figures/data/sampled-bias.json --plot docs/sampled-bias.png",
+        "recloss.bench.sampled_bias:format_table"),
+    "sampled-bias-sasrec": RunTable(
+        "data/sampled-bias-sasrec.json",
+        "python -m recloss_plugins.sasrec.sampled_bias configs/base.yml loss=cutce steps=300 --draws 16 "
+        "--json docs/figures/data/sampled-bias-sasrec.json",
+        "recloss.bench.sampled_bias:format_table"),
     "quality": RunTable(
         "data/quality.json", "make quality QUALITY_ARGS='--json docs/figures/data/quality.json'",
         "recloss_plugins.sasrec.quality:format_run"),

@@ -35,7 +35,7 @@ from recloss_plugins.sasrec.checkpoints import Checkpoints
 from recloss_plugins.sasrec.logging_utils import (MetricsWriter, Progress, format_duration, format_eval,
                                                   format_loss_metrics, loss_metrics)
 from recloss.bench.buffers import format_memory, memory_report
-from recloss_plugins.sasrec.program import Program, program_for
+from recloss_plugins.sasrec.program import Program, program_for, proposal_of
 
 USAGE = """usage: recloss-train [CONFIG.yml] [key=value ...]
 
@@ -151,6 +151,10 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
         ds.local_batch_size(B)  # B must split over the shards: a named error before any work
     say(f"mesh: {dict(mesh.shape)} over {len(devices)} {program.layout.platform} device(s); "
         f"loss={cfg.loss}; table rows {program.rows} (V={vocab}); global batch {B}")
+    if program.strategy.objective == "sampled":
+        chosen = "this loss's default" if cfg.sampled_proposal == "auto" else "set"
+        say(f"sampled negatives: K={cfg.num_negatives} per step from the {proposal_of(cfg)} proposal ({chosen}), "
+            f"accidental hits {'removed' if cfg.remove_accidental_hits else 'kept'}")
     if program.manual is not None:
         say(f"train step: data parallel under shard_map over {program.manual.batch_axes}, "
             f"gradients summed in place (recloss.psum_in_place)")

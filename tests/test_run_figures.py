@@ -115,3 +115,30 @@ def test_prepare_table_gives_both_rates_and_every_pair(tmp_path):
     assert "both preparations kept the same 7 users, 5 items, 40 interactions (of 50 events read)." in text
     out["runs"]["string"][1]["summary"] = summary.format(1).replace("7 users", "6 users")
     assert "DIFFER: 6 users, 5 items, 40 interactions (of 50 events read); 7 users" in input_bench.format_prepare(out)
+
+
+def test_quality_sweep_reports_each_rows_run_best_on_dev(tmp_path, monkeypatch, capsys):
+    """`quality --sweep KEY=V1,V2`: each row trains once per value its loss takes and reports the run
+    with the best dev NDCG; a key the loss does not take (temperature for a BCE loss) is left out."""
+    from recloss_plugins.sasrec import quality
+    monkeypatch.setattr(quality, "ROWS", [r for r in quality.ROWS if r[0] in ("cutbce", "gbce K=128")])
+    path = tmp_path / "quality.json"
+    tiny = ["synthetic_num_users=48", "synthetic_num_items=255", "synthetic_min_len=20", "synthetic_max_len=30",
+            "num_labels=4", "max_seq_len=8", "global_batch_size=16", "emb_dim=16", "num_layers=1",
+            "num_heads=2", "mlp_dim=32", "steps=4", "eval_batch_size=32", f"base_output_directory={tmp_path}"]
+    assert quality.main([*tiny, "--sweep", "learning_rate=1e-3,3e-2", "--sweep", "temperature=0.5,1.0",
+                         "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    bce, gbce = data["rows"]
+    assert [t["overrides"] for t in bce["sweep"]] == [["learning_rate=1e-3"], ["learning_rate=3e-2"]]
+    assert len(gbce["sweep"]) == 4 and ["learning_rate=3e-2", "temperature=0.5"] in [t["overrides"] for t in gbce["sweep"]]
+    for row in data["rows"]:
+        best = max(row["sweep"], key=lambda t: t["dev_ndcg"])
+        assert row["chosen"] == best["overrides"] and row["dev_ndcg"] == best["dev_ndcg"]
+    text = quality.format_run(data)
+    assert "best on dev |" in text and "6 runs of 4 steps" in text and "--sweep learning_rate=1e-3,3e-2" in text
+    assert quality.markdown(data["rows"], data["info"]["eval_top_k"]) in capsys.readouterr().out
+    for bad, msg in (("learning_rate", "expected KEY=V1,V2"), ("learnin_rate=1", "is not a config key")):
+        with pytest.raises(SystemExit):
+            quality.main([*tiny, "--sweep", bad])
+        assert msg in capsys.readouterr().err

@@ -63,7 +63,8 @@ RUN_TABLES: Dict[str, RunTable] = {
         "--json docs/figures/data/sampled-bias-sasrec.json",
         "recloss.bench.sampled_bias:format_table"),
     "quality": RunTable(
-        "data/quality.json", "make quality QUALITY_ARGS='--json docs/figures/data/quality.json'",
+        "data/quality.json",
+        "make quality QUALITY_ARGS='--sweep learning_rate=1e-3,3e-3,1e-2 --json docs/figures/data/quality.json'",
         "recloss_plugins.sasrec.quality:format_run"),
 }
 

@@ -28,6 +28,8 @@ import jax
 import numpy as np
 
 from recloss_plugins.config import default_config_path, load_config
+from recloss_plugins.config.keys import SCHEMA
+from recloss_plugins.config.loss_keys import LOSS_OPTION_KEYS
 from recloss_plugins.sasrec import data as data_lib
 from recloss.bench.buffers import memory_report
 from recloss_plugins.sasrec.train import train
@@ -90,18 +92,42 @@ def v6e8_hbm(loss_args: Tuple[str, ...], timeout_s: float) -> str:
     return f"OOM ({oom.group(0)})" if oom else f"failed (rc {run.returncode})"
 
 
-def run_table(config: List[str], *, hbm: bool, hbm_timeout_s: float = 900.0, log=print) -> List[Dict]:
-    """One training run per row of `ROWS` on ``config`` (a YAML path and key=value overrides)."""
+def _sweep_overrides(sweep: Dict[str, List[str]], args: Tuple[str, ...]) -> List[Tuple[str, ...]]:
+    """Every combination of ``sweep``'s values a row's loss takes (a key its strategy does not take,
+    e.g. temperature for a BCE loss, is left out for that row); [()] without a sweep."""
+    import itertools
+
+    import recloss
+    loss = next(a[5:] for a in args if a.startswith("loss="))
+    takes = set(recloss.get_strategy(loss).options_supported)
+    keys = [k for k in (sweep or {}) if k not in LOSS_OPTION_KEYS or LOSS_OPTION_KEYS[k].field in takes]
+    return [tuple(f"{k}={v}" for k, v in zip(keys, vals)) for vals in itertools.product(*(sweep[k] for k in keys))]
+
+
+def run_table(config: List[str], *, hbm: bool, hbm_timeout_s: float = 900.0,
+              sweep: Optional[Dict[str, List[str]]] = None, log=print) -> List[Dict]:
+    """One training run per row of `ROWS` on ``config`` (a YAML path and key=value overrides); with
+    ``sweep`` ({key: [values]}), one per combination of values, the row reporting the one best on
+    dev NDCG (its overrides under 'chosen', every run's dev NDCG under 'sweep')."""
     rows = []
     ds = None
     for label, args in ROWS:
         tag = re.sub(r"[^a-z0-9]+", "_", label.lower())
-        cfg = load_config([*config[:1], *DEFAULTS, *config[1:], *args, f"run_name=quality_{tag}"])
-        if ds is None:
-            ds = data_lib.build_dataset(cfg)
-        t0 = time.perf_counter()
-        res = train(cfg, dataset=ds, log=lambda *a: None)
-        wall = time.perf_counter() - t0
+        best, tried = None, []
+        for extra in _sweep_overrides(sweep, args):
+            cfg = load_config([*config[:1], *DEFAULTS, *config[1:], *args, *extra, f"run_name=quality_{tag}"])
+            if ds is None:
+                ds = data_lib.build_dataset(cfg)
+            t0 = time.perf_counter()
+            res = train(cfg, dataset=ds, log=lambda *a: None)
+            wall = time.perf_counter() - t0
+            dev = res.evals["dev"][f"ndcg@{cfg.eval_top_k}"]
+            tried.append({"overrides": list(extra), "dev_ndcg": dev})
+            if len(tried) > 1:
+                log(f"{label} {' '.join(extra)}: dev NDCG@{cfg.eval_top_k} {dev:.4f}")
+            if best is None or dev > best[0]:
+                best = (dev, extra, res, cfg, wall)
+        _, extra, res, cfg, wall = best
         row = {"loss": label, "wall_s": wall, "steps": cfg.steps}
         k = cfg.eval_top_k
         for split in ("dev", "test"):
@@ -109,30 +135,39 @@ def run_table(config: List[str], *, hbm: bool, hbm_timeout_s: float = 900.0, log
             row[f"{split}_ndcg"] = res.evals[split][f"ndcg@{k}"]
         row["steps_per_s"] = steps_per_second(res, ds)
         row["temp_mib"] = memory_report(res.program.compiled_train_step()).get("temp", float("nan")) / 2**20
-        row["v6e8_gib"] = v6e8_hbm(args, hbm_timeout_s) if hbm else NOT_RUN
+        row["v6e8_gib"] = v6e8_hbm((*args, *extra), hbm_timeout_s) if hbm else NOT_RUN
+        if sweep:
+            row.update(chosen=list(extra), sweep=tried)
         log(f"{label}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                    for k, v in row.items() if k != "loss"))
+                                    for k, v in row.items() if k not in ("loss", "sweep")))
         rows.append(row)
     return rows
 
 
 def markdown(rows: List[Dict], k: int = 10) -> str:
-    """The table; the v6e-8 column only when a row compiled for it (``--hbm``)."""
+    """The table; the v6e-8 column only when a row compiled for it (``--hbm``), the swept values
+    only when the run swept (``--sweep``)."""
     hbm = any(r["v6e8_gib"] != NOT_RUN for r in rows)
+    swept = any("chosen" in r for r in rows)
     head = (f"| loss | dev Hit@{k} | dev NDCG@{k} | test Hit@{k} | test NDCG@{k} | train steps/s | "
-            "per-device temp (MiB) |" + (" v6e-8 per-chip HBM, SASRec-Yambda (GiB) |" if hbm else ""))
+            "per-device temp (MiB) |" + (" v6e-8 per-chip HBM, SASRec-Yambda (GiB) |" if hbm else "")
+            + (" best on dev |" if swept else ""))
     lines = [head, "|" + "---|" * head.count(" |")] + [
         f"| {r['loss']} | {r['dev_hit']:.4f} | {r['dev_ndcg']:.4f} | {r['test_hit']:.4f} | {r['test_ndcg']:.4f} "
-        f"| {r['steps_per_s']:.1f} | {r['temp_mib']:.1f} |" + (f" {r['v6e8_gib']} |" if hbm else "") for r in rows]
+        f"| {r['steps_per_s']:.1f} | {r['temp_mib']:.1f} |" + (f" {r['v6e8_gib']} |" if hbm else "")
+        + (f" {' '.join(r.get('chosen', [])) or '–'} |" if swept else "") for r in rows]
     return "\n".join(lines)
 
 
 def format_run(data: Dict) -> str:
     """A ``--json`` file as the table and a line saying what ran (docs/choosing-a-loss.md renders it)."""
-    info = data["info"]
-    return (markdown(data["rows"], info["eval_top_k"]) + "\n\n"
-            f"{len(data['rows'])} runs of {info['steps']} steps in {info['total_s']:.0f} s on "
-            f"{info['cpu_count']} CPU cores (jax {info['jax_version']}): {' '.join(info['config'])}")
+    info, rows = data["info"], data["rows"]
+    runs = sum(len(r.get("sweep", [None])) for r in rows)
+    swept = "".join(f" --sweep {k}={','.join(v)}" for k, v in info.get("sweep", {}).items())
+    best = (f"; each row is its run best on dev NDCG@{info['eval_top_k']} of the sweep{swept}" if swept else "")
+    return (markdown(rows, info["eval_top_k"]) + "\n\n"
+            f"{runs} runs of {info['steps']} steps in {info['total_s']:.0f} s on "
+            f"{info['cpu_count']} CPU cores (jax {info['jax_version']}): {' '.join(info['config'])}{best}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -142,19 +177,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--hbm-timeout", type=float, default=900.0, help="seconds per v6e-8 compile")
     p.add_argument("--out", help="write the markdown table here too")
     p.add_argument("--json", help="write the rows and what ran as JSON here (the docs render it)")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="train each row once per value (repeatable: every combination) and report the run best "
+                        "on dev NDCG, e.g. --sweep learning_rate=1e-3,3e-3,1e-2 --sweep temperature=0.5,1.0 "
+                        "(a key a row's loss does not take is left out for that row)")
     a = p.parse_args(argv)
+    sweep = {}
+    for item in a.sweep:
+        key, eq, values = item.partition("=")
+        if not eq or not key or not values.strip(","):
+            p.error(f"--sweep {item!r}: expected KEY=V1,V2,... (e.g. learning_rate=1e-3,3e-3)")
+        if key not in SCHEMA:
+            p.error(f"--sweep {item!r}: {key!r} is not a config key")
+        sweep[key] = [v for v in values.split(",") if v]
     config = list(a.config)
     if not config or "=" in config[0]:
         config = [str(default_config_path())] + config
     t0 = time.perf_counter()
-    rows = run_table(config, hbm=a.hbm, hbm_timeout_s=a.hbm_timeout, log=lambda *x: print(*x, flush=True))
+    rows = run_table(config, hbm=a.hbm, hbm_timeout_s=a.hbm_timeout, sweep=sweep or None,
+                     log=lambda *x: print(*x, flush=True))
     first = load_config([*config[:1], *DEFAULTS, *config[1:]])
     info = dict(config=[_shown(config[0]), *DEFAULTS, *config[1:]], steps=first.steps,
                 eval_top_k=first.eval_top_k, total_s=round(time.perf_counter() - t0),
-                cpu_count=os.cpu_count(), jax_version=jax.__version__)
+                cpu_count=os.cpu_count(), jax_version=jax.__version__, **({"sweep": sweep} if sweep else {}))
     table = markdown(rows, first.eval_top_k)
     print(table)
-    print(f"quality table: {len(rows)} runs in {info['total_s']}s")
+    print(f"quality table: {sum(len(r.get('sweep', [None])) for r in rows)} runs in {info['total_s']}s")
     if a.out:
         Path(a.out).write_text(table + "\n")
     if a.json:

@@ -97,10 +97,15 @@ def proposal_of(cfg) -> str:
 
 
 def proposal_log_q(cfg, vocab_size: int, item_counts=None):
-    """[V] float32 log proposal of a sampled loss: counts (`proposal_of`, and counts given) is
-    `recloss.log_q_from_counts` of the training split's counts; otherwise uniform over the items.
-    The padding id 0 is never drawn either way."""
-    if proposal_of(cfg) == "counts" and item_counts is not None:
+    """[V] float32 log proposal of a config's sampled loss: `log_q_of` its `proposal_of`."""
+    return log_q_of(proposal_of(cfg), vocab_size, item_counts)
+
+
+def log_q_of(proposal: str, vocab_size: int, item_counts=None):
+    """[V] float32 log proposal ``proposal``: 'counts' (and counts given) is `recloss.log_q_from_counts`
+    of the training split's counts; otherwise uniform over the items. The padding id 0 is never
+    drawn either way."""
+    if proposal == "counts" and item_counts is not None:
         c = np.zeros(vocab_size, np.float64)
         n = min(vocab_size, len(item_counts))
         c[:n] = np.asarray(item_counts, np.float64)[:n]

@@ -15,6 +15,7 @@ One seed, one data set: differences smaller than seed noise are not findings.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -26,6 +27,8 @@ from typing import Dict, List, Optional, Tuple
 
 import jax
 import numpy as np
+
+import recloss
 
 from recloss_plugins.config import default_config_path, load_config
 from recloss_plugins.config.keys import SCHEMA
@@ -95,9 +98,6 @@ def v6e8_hbm(loss_args: Tuple[str, ...], timeout_s: float) -> str:
 def _sweep_overrides(sweep: Dict[str, List[str]], args: Tuple[str, ...]) -> List[Tuple[str, ...]]:
     """Every combination of ``sweep``'s values a row's loss takes (a key its strategy does not take,
     e.g. temperature for a BCE loss, is left out for that row); [()] without a sweep."""
-    import itertools
-
-    import recloss
     loss = next(a[5:] for a in args if a.startswith("loss="))
     takes = set(recloss.get_strategy(loss).options_supported)
     keys = [k for k in (sweep or {}) if k not in LOSS_OPTION_KEYS or LOSS_OPTION_KEYS[k].field in takes]

@@ -27,7 +27,7 @@ def measure(cfg, *, ks, draws: int, log=print) -> dict:
 
     import recloss
     from recloss_plugins.sasrec import data as data_lib
-    from recloss_plugins.sasrec.program import proposal_log_q
+    from recloss_plugins.sasrec.program import log_q_of
     from recloss_plugins.sasrec.train import train
 
     t0 = time.perf_counter()
@@ -38,11 +38,7 @@ def measure(cfg, *, ks, draws: int, log=print) -> dict:
     model = nnx.merge(program.graphdef, jax.device_get(res.state["params"]))
     hidden, table, bias = model(batch["inputs"]), model.output_table(), model.output_bias()
     V = program.vocab_size
-    proposals = {}
-    for name in ("uniform", "counts"):
-        with cfg.unlocked():
-            cfg.sampled_proposal = name
-        proposals[name] = proposal_log_q(cfg, V, ds.popularity)
+    proposals = {name: log_q_of(name, V, ds.popularity) for name in ("uniform", "counts")}
     rows = []
     for removed in (True, False):
         out = recloss.sampled_bias(hidden, table, batch["targets"], batch["weights"], bias,

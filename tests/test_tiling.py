@@ -49,3 +49,24 @@ def test_chip_from_device_kind():
     assert tiling.chip_from_device_kind("TPU7x").mxu == 256
     assert tiling.chip_from_device_kind("cpu") is tiling.GENERIC
     assert tiling.get_chip() is tiling.GENERIC      # CPU default device, no mesh
+
+
+@pytest.mark.parametrize("chip", sorted(set(tiling.CHIPS) - {"v4"}))
+@pytest.mark.parametrize("d", [2304, 4096])
+def test_wide_hidden_states_shrink_the_blocks_to_fit(chip, d):
+    """LLM decoders' D (Gemma 2,304, Llama 4,096): the [bv, D] and [bs, D] blocks, not the
+    logit temporaries, are what must shrink; every sweep still fits the budget with >= 128-wide blocks."""
+    c = tiling.CHIPS[chip]
+    for mode in tiling.MODES:
+        for dt in (jnp.float32, jnp.bfloat16):
+            t = tiling.choose(mode, 65536, 128256, d, dt, dt, recloss.LossOptions(), bias=False, chip=c)
+            assert t.vmem_bytes <= c.budget_bytes and t.bv >= 128 and t.bs >= 128, (mode, dt, t)
+            assert t.bv % 128 == 0 and t.bn % t.bs == 0 and t.rows >= 65536
+    # An explicit block_v is kept: the rows shrink instead, or the error names it.
+    t = tiling.choose(("softmax", "grad"), 4096, 128256, 4096, jnp.float32, jnp.float32,
+                      recloss.LossOptions(block_v=512), bias=False, chip=tiling.CHIPS["v6e"])
+    assert t.bv == 512
+    # v4's 12 MiB VMEM limit holds no 128 x 128 block pair at D = 4,096: a clear error, not a compile failure.
+    with pytest.raises(ValueError, match=r"cannot tile D=4096 .* on chip 'v4'"):
+        tiling.choose(("bce", "fused"), 4096, 128256, 4096, jnp.float32, jnp.float32, recloss.LossOptions(),
+                      bias=False, chip=tiling.CHIPS["v4"])

@@ -291,6 +291,18 @@ def _automatic_rows(p: _Problem, opts: LossOptions, chip: Chip) -> Tiling:
     while temps(bs, bv) > p.budget * _TEMP_SHARE and bs > 128:
         bs = max(128, _round_up(bs // 2, p.sub))
     est = p.estimate
+    # Wide hidden states (D in the thousands: LLM decoders) make the blocks' [bv, D] and [bs, D] buffers,
+    # not the logit temporaries, what overflows: halve the larger of the vocab block and the row tile,
+    # down to 256 each, then to the 128 floor.
+    for floor in (2 * LANES, LANES):
+        while est(bs, bs, bv, 2) > p.budget:
+            can_v, can_s = opts.block_v is None and bv > floor, bs > max(floor, p.sub)
+            if can_v and (bv >= bs or not can_s):
+                bv = _halve(bv)
+            elif can_s:
+                bs = max(floor, _round_up(bs // 2, p.sub))
+            else:
+                break
     if est(bs, bs, bv, 2) > p.budget:
         what = f"LossOptions.block_v={bv}" if opts.block_v else f"block_v={bv}"
         raise ValueError(

@@ -1,0 +1,36 @@
+"""recloss_plugins.maxtext.table: parsing a compile's output and the table it renders (no MaxText needed)."""
+
+import argparse
+import re
+
+import pytest
+
+from recloss_plugins.maxtext import table as mt
+
+
+def test_parse_output_ok_oom_and_error():
+    ok = mt.parse_output("I1204 noise\nrecloss-maxtext-compile: per-chip HBM 5.214 GiB (temporaries 2.118 GiB), "
+                         "compiled in 41.3 s; loss=cutce_pallas\n", 0)
+    assert ok == {"status": "ok", "total_gib": 5.214, "temp_gib": 2.118, "seconds": 41.3}
+    new = ("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, "
+           "the total memory required for HLO temporaries (34.96G) exceeds available HBM (31.24G).")
+    assert mt.parse_output(new, 1) == {"status": "oom", "used_gib": 34.96, "capacity_gib": 31.24}
+    old = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 41.2G of 31.25G hbm."
+    assert mt.parse_output(old, 1) == {"status": "oom", "used_gib": 41.2, "capacity_gib": 31.25}
+    err = mt.parse_output("I1204 x\nTraceback\nValueError: bad block\n", 1)
+    assert err["status"] == "error" and "ValueError: bad block" in err["message"] and "I1204" not in err["message"]
+
+
+def test_points_and_table():
+    assert mt.parse_point("8x4096") == (8, 4096)
+    for bad in ("8*4096", "0x4096", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
+            mt.parse_point(bad)
+    ok = lambda t: {"status": "ok", "total_gib": t, "temp_gib": t / 2, "seconds": 30.0}
+    cells = {mt.cell_key("m", "v6e-8", (4, 2048), 2, "maxtext"): {"status": "oom", "used_gib": 40.0},
+             mt.cell_key("m", "v6e-8", (4, 2048), 2, "tiling4"): ok(10.0),
+             mt.cell_key("m", "v6e-8", (4, 2048), 2, "tiling8-ag"): ok(8.0),
+             mt.cell_key("m", "v6e-8", (4, 2048), 2, "cutce_pallas"): ok(6.0)}
+    text = mt.format_table({"cells": cells, "layers": 2})
+    assert "OOM (40.0 GiB temp.)" in text and "0.75 (vs tiling8-ag)" in text and "| m | v6e-8 | 4 × 2048 | 2 |" in text
+    assert mt.best_tiling({k.rpartition("|")[2]: v for k, v in cells.items()}) == ("tiling8-ag", 8.0)

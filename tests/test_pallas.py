@@ -103,14 +103,16 @@ def test_matches_oracle_and_cutbce_odd_shapes(rng, bias):
     _close(mets["tp"] + mets["fp"], want[4], 1e-6)
 
 
-def test_multiple_blocks_row_chunks_and_vocab_size(rng):
-    # block_n=8 over 30 rows → 4 row chunks (dE accumulated in HBM); block_v=128
-    # over 300 rows → 3 vocab blocks, the last partial; rows ≥ 263 are padding.
-    hidden, table, targets, weights, b = _inputs(rng, (30,), 300, 37, weights=True)
+@pytest.mark.parametrize("m, chunks", [(30, 4), (75, 10)])
+def test_multiple_blocks_row_chunks_and_vocab_size(rng, m, chunks):
+    # block_n=8 over 30 rows → 4 row chunks (dE accumulated in HBM; 75 rows → 10, past
+    # grid.MAX_UNROLLED_CHUNKS: a rolled loop); block_v=128 over 300 rows → 3 vocab blocks,
+    # the last partial; rows ≥ 263 are padding.
+    hidden, table, targets, weights, b = _inputs(rng, (m,), 300, 37, weights=True)
     s = recloss.get_strategy("cutbce_pallas", block_n=8, block_v=128, vocab_size=263)
-    t = tiling.choose(("bce", "fused"), 30, 300, 37, jnp.float32, jnp.float32, s.options, bias=True,
+    t = tiling.choose(("bce", "fused"), m, 300, 37, jnp.float32, jnp.float32, s.options, bias=True,
                       chip=tiling.get_chip())
-    assert (t.num_chunks, t.bv, -(-300 // t.bv)) == (4, 128, 3)
+    assert (t.num_chunks, t.bv, -(-300 // t.bv)) == (chunks, 128, 3)
     (loss, _), (ga, ge, gb) = _compare_to_cutbce(s, hidden, table, targets, weights, b)
     want = _oracle(hidden, table, targets, weights, b, vocab_size=263)
     _close(loss, want[0], 1e-5)

@@ -18,7 +18,7 @@ import pytest
 import recloss
 from helpers import assert_close, pallas_calls
 from oracle import softmax_oracle
-from recloss.pallas import strategy as pallas_strategy, tiling
+from recloss.pallas import grid, strategy as pallas_strategy, tiling
 from recloss import sweep
 from recloss.shard import VocabShard
 from recloss.softmax import cut, kernel, partition
@@ -119,6 +119,41 @@ def test_partial_blocks_and_row_chunks_match_cutce(rng, metrics):
         assert (t.num_chunks, t.bv, -(-300 // t.bv)) == (4, 128, 3)
     (_, _, _, de, db), _ = _compare_plans(rng, 30, 300, 37, opts, vocab_size=263)
     assert not np.any(np.asarray(de[263:])) and not np.any(np.asarray(db[263:]))
+
+
+def _chunk_scans(jaxpr):
+    """(length, unroll) of every scan in a jaxpr (nested ones included) whose body calls a kernel."""
+    found = []
+    for eqn in jaxpr.eqns:
+        inner = [p for p in eqn.params.values() if hasattr(getattr(p, "jaxpr", None), "eqns")]
+        inner += [p for p in eqn.params.values() if hasattr(p, "eqns")]
+        for p in inner:
+            body = getattr(p, "jaxpr", p)
+            if eqn.primitive.name == "scan" and pallas_calls(body):
+                found.append((eqn.params["length"], eqn.params["unroll"]))
+            found += _chunk_scans(body)
+    return found
+
+
+@pytest.mark.parametrize("m, chunks", [(30, 4), (75, 10)])
+def test_many_row_chunks_stay_a_loop(rng, m, chunks):
+    # Up to MAX_UNROLLED_CHUNKS (8) row chunks the scan is unrolled; past it a loop (compiling 128
+    # unrolled chunks of a D = 4,096 sweep took minutes). Same numbers either way.
+    opts = recloss.LossOptions(block_n=8, block_v=128)
+    t = tiling.choose(("softmax", "grad"), m, 300, 37, jnp.float32, jnp.float32, opts, bias=True,
+                      chip=tiling.get_chip())
+    assert t.num_chunks == chunks
+    _compare_plans(rng, m, 300, 37, opts, vocab_size=290)
+    kp, _ = _plans(m, 300, opts, vocab_size=290, offset=0)
+    a, e, b = _arrays(rng, m, 300, 37)
+    r = jnp.asarray(rng.normal(size=(m,)), jnp.float32)
+
+    def f(a, e, b, r):
+        lse, *_ = kp.sweep("loss", a, e, b, None, 0)
+        return kp.sweep("grad", a, e, b, r, 0, fwd=lse)
+    scans = _chunk_scans(jax.make_jaxpr(f)(a, e, b, r).jaxpr)
+    assert scans and all(n == chunks for n, _ in scans), scans
+    assert all(u == (chunks if chunks <= grid.MAX_UNROLLED_CHUNKS else 1) for _, u in scans), scans
 
 
 def test_one_resident_tile_no_bias(rng):

@@ -74,7 +74,7 @@ def test_loss_settings_map_config_keys():
     # Every option key maps to a LossOptions field; every FIELDS key is an option, the strategy or a mesh role.
     assert set(rm.OPTION_KEYS.values()) <= set(recloss.LossOptions.field_names())
     assert set(rm.FIELDS) == set(rm.OPTION_KEYS) | {"loss", "loss_batch_axes", "loss_fsdp_axis",
-                                                     "loss_vocab_axis"}
+                                                     "loss_vocab_axis", "loss_fsdp_gather"}
     # Attributes a config lacks take the FIELDS defaults.
     assert rm.loss_settings(types.SimpleNamespace(loss="cutbce"))[1] == recloss.LossOptions(reduction="sum")
 
@@ -94,6 +94,10 @@ def test_loss_settings_map_config_keys():
     (dict(loss="cutce", label_smoothing=0.1, logit_soft_cap=30.0),
      r"'cutce' .*label_smoothing=0.1 together with logit_soft_cap=30.0"),
     (dict(loss_vocab_axis="tensor"), r"need loss_batch_axes"),
+    (dict(loss_fsdp_gather="rings"), r"loss_fsdp_gather='rings': expected one of 'once', 'ring'"),
+    (dict(loss_fsdp_gather="ring"), r"loss_fsdp_gather='ring' .*loss_fsdp_axis, which is not set"),
+    (dict(loss="dense_ce", loss_fsdp_gather="ring", loss_batch_axes=["fsdp"], loss_fsdp_axis="fsdp"),
+     r"loss_fsdp_gather='ring': strategy 'dense_ce' does not take it.*'cutce_pallas'"),
 ])
 def test_check_supported_errors(overrides, match):
     with pytest.raises(ValueError, match=match) as err:
@@ -270,14 +274,19 @@ def test_loss_from_hidden_with_mesh_layout(rng):
         rm.layout_for(cfg, None)
     with pytest.raises(ValueError, match="need loss_batch_axes"):
         rm.layout_for(_config(loss_fsdp_axis="fsdp"), mesh)
+    ring = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor",
+                   loss_fsdp_gather="ring")
+    assert rm.layout_for(ring, mesh).fsdp_gather == "ring" and layout.fsdp_gather == "once"
     hidden = jnp.asarray(rng.standard_normal((4, 2, 8)), jnp.float32)
     table = jnp.asarray(rng.standard_normal((64, 8)), jnp.float32)
     data = _batch(rng, b=4, t=2, v=64)
     program = str(jax.make_jaxpr(lambda h: rm.loss_from_hidden(h, table, data, cfg, mesh=mesh)[0])(hidden))
-    assert "shard_map" in program
-    got = jax.jit(lambda h: rm.loss_from_hidden(h, table, data, cfg, mesh=mesh)[0])(hidden)
+    assert "shard_map" in program and "ppermute" not in program
+    assert "ppermute" in str(jax.make_jaxpr(lambda h: rm.loss_from_hidden(h, table, data, ring, mesh=mesh)[0])(hidden))
     want = rm.loss_from_hidden(hidden, table, data, _config())[0]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for c in (cfg, ring):
+        got = jax.jit(lambda h: rm.loss_from_hidden(h, table, data, c, mesh=mesh)[0])(hidden)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
     with pytest.raises(ValueError, match="no mesh was given"):
         rm.loss_from_hidden(hidden, table, data, cfg)
 

@@ -34,6 +34,9 @@ Keys (the names of recloss's own trainer config, so one YAML vocabulary serves b
     loss_batch_axes       mesh axes the tokens are split over for a shard_map'ed loss; [] = no shard_map
     loss_fsdp_axis        mesh axis the table is additionally stored over (with loss_batch_axes), or null
     loss_vocab_axis       mesh axis the vocabulary is split over (with loss_batch_axes), or null
+    loss_fsdp_gather      with loss_fsdp_axis: 'once' (all-gather the table once per step) or 'ring'
+                          (slices passed round the fsdp axis, ~1/|fsdp| of the table's memory;
+                          blocked strategies only)
 
 An option of the other objective must stay at its default (``loss=cutce
 pos_weight=2`` is an error naming ``pos_weight``). MaxText's own
@@ -61,6 +64,7 @@ import math
 from typing import Any, Optional, Tuple
 
 import recloss
+from recloss import ring as ring_lib
 from recloss_plugins.config import LOSS_OPTION_KEYS
 from recloss_plugins.flax import resolve_config
 
@@ -105,6 +109,9 @@ FIELDS = {
                           "additionally stored over (must be one of loss_batch_axes), or None."),
     "loss_vocab_axis": Key("Optional[str]", None, "With loss_batch_axes: mesh axis the vocabulary is "
                            "split over, or None."),
+    "loss_fsdp_gather": Key("str", "once", "With loss_fsdp_axis: 'once' all-gathers the item table over it "
+                            "once per step; 'ring' passes the slices round it instead (about 1/|fsdp| of the "
+                            "table's memory; blocked strategies only)."),
 }
 
 # Config key -> recloss.LossOptions field: the FIELDS keys the shared mapping knows (the rest
@@ -172,14 +179,21 @@ def maxtext_soft_cap(config) -> Optional[float]:
     return float(cap) if getattr(config, "logits_via_embedding", False) else None
 
 
-def _mesh_axes(config) -> Tuple[Tuple[str, ...], Optional[str], Optional[str]]:
-    """(loss_batch_axes, loss_fsdp_axis, loss_vocab_axis); the last two need the first."""
+def _mesh_axes(config) -> Tuple[Tuple[str, ...], Optional[str], Optional[str], str]:
+    """(loss_batch_axes, loss_fsdp_axis, loss_vocab_axis, loss_fsdp_gather); the axes need the first,
+    ``'ring'`` needs an fsdp axis."""
     batch_axes = tuple(_get(config, "loss_batch_axes") or ())
     fsdp, vocab = _get(config, "loss_fsdp_axis"), _get(config, "loss_vocab_axis")
+    gather = _get(config, "loss_fsdp_gather")
     if not batch_axes and (fsdp is not None or vocab is not None):
         raise ValueError(f"loss_fsdp_axis={fsdp!r} / loss_vocab_axis={vocab!r} need loss_batch_axes "
                          "(the mesh axes the tokens are split over) to be set")
-    return batch_axes, fsdp, vocab
+    if gather not in ring_lib.GATHERS:
+        raise ValueError(f"loss_fsdp_gather={gather!r}: expected one of {', '.join(map(repr, ring_lib.GATHERS))}")
+    if gather == "ring" and fsdp is None:
+        raise ValueError("loss_fsdp_gather='ring' passes the table slices round loss_fsdp_axis, which is not "
+                         "set; set loss_batch_axes and loss_fsdp_axis, or loss_fsdp_gather=once")
+    return batch_axes, fsdp, vocab, gather
 
 
 def layout_for(config, mesh) -> Optional[recloss.MeshLayout]:
@@ -189,13 +203,13 @@ def layout_for(config, mesh) -> Optional[recloss.MeshLayout]:
     when ``loss_fsdp_axis`` / ``loss_vocab_axis`` are set without
     ``loss_batch_axes``, or ``loss_batch_axes`` is set and ``mesh`` is None.
     """
-    batch_axes, fsdp, vocab = _mesh_axes(config)
+    batch_axes, fsdp, vocab, gather = _mesh_axes(config)
     if not batch_axes:
         return None
     if mesh is None:
         raise ValueError(f"loss_batch_axes={list(batch_axes)} is set but no mesh was given to build the "
                          "recloss.MeshLayout")
-    return recloss.MeshLayout(mesh, batch_axes=batch_axes, fsdp_axis=fsdp, vocab_axis=vocab)
+    return recloss.MeshLayout(mesh, batch_axes=batch_axes, fsdp_axis=fsdp, vocab_axis=vocab, fsdp_gather=gather)
 
 
 def check_supported(config):
@@ -205,7 +219,8 @@ def check_supported(config):
     with them), MaxText's ``num_vocab_tiling`` (> 1, so the decoder returns
     hidden states instead of logits), ``z_loss_multiplier`` (0 unless the
     strategy takes a z-loss, as the softmax ones do) and the mesh axis keys
-    (``loss_fsdp_axis`` / ``loss_vocab_axis`` need ``loss_batch_axes``).
+    (``loss_fsdp_axis`` / ``loss_vocab_axis`` need ``loss_batch_axes``;
+    ``loss_fsdp_gather=ring`` needs ``loss_fsdp_axis`` and a strategy that takes it).
     """
     name, options = loss_settings(config)
     recloss.get_strategy(name, options)     # combinations a strategy refuses (label_smoothing with a cap)
@@ -222,7 +237,11 @@ def check_supported(config):
         raise ValueError(f"z_loss_multiplier={z}: z-loss penalises the softmax normaliser, which strategy "
                          f"{name!r} ({recloss.get_strategy(name).objective or 'custom'} objective) does not "
                          f"have; set z_loss_multiplier=0, or use a softmax strategy ({softmax})")
-    _mesh_axes(config)
+    gather = _mesh_axes(config)[3]
+    if gather not in recloss.get_strategy(name).fsdp_gathers:
+        takers = [n for n in recloss.available_strategies() if gather in recloss.get_strategy(n).fsdp_gathers]
+        raise ValueError(f"loss_fsdp_gather={gather!r}: strategy {name!r} does not take it (it gathers the "
+                         f"table once); set loss_fsdp_gather=once, or use one of {takers}")
 
 
 def _annotations():

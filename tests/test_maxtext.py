@@ -693,3 +693,52 @@ def test_maxtext_training_loop_runs_the_recloss_loss(maxtext, monkeypatch, tmp_p
                    "dataset_type=synthetic", "num_vocab_tiling=2", "loss=cutbce", "loss_block_v=16"])
     assert calls and set(calls) == {"cutbce"}  # traced inside MaxText's train/eval steps
     assert train.loss_fn is original and maxtext.pyconfig.initialize.__module__ == "maxtext.configs.pyconfig"
+
+
+def _metrics(path):
+    """MaxText's metrics_file: one JSON line per step -> [{metric: value}] in step order."""
+    import json
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return [r for r in sorted(rows, key=lambda r: r["step"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss, overrides", [
+    ("cutce", ("z_loss_multiplier=1e-2",)),
+    ("cutce", ("z_loss_multiplier=1e-2", "logits_via_embedding=true", "final_logits_soft_cap=0.5",
+               "packing=true", "max_segments_per_seq=3")),
+    ("cutce_pallas", ("z_loss_multiplier=1e-2", "logits_via_embedding=true", "final_logits_soft_cap=0.5")),
+])
+def test_maxtext_two_training_steps_log_what_maxtext_own_loss_logs(maxtext, rng, tmp_path, loss, overrides):
+    # MaxText's own train loop, twice on the same synthetic batches and initial weights: its own loss,
+    # then the recloss one. Step 1's loss follows the optimizer's update from step 0's gradients, so
+    # the whole gradient has to match, not only the loss; learning/z_loss is the z-loss part alone.
+    from recloss_plugins.maxtext import train as rm_train
+    train = pytest.importorskip("maxtext.trainers.pre_train.train")
+    seed = int(rng.integers(1 << 30))
+    print(f"init_weights_seed={seed}")
+    common = [*TINY, "steps=2", "dataset_type=synthetic", "num_vocab_tiling=2", f"init_weights_seed={seed}",
+              "learning_rate=1e-2", "warmup_steps_fraction=0", *overrides]
+    runs = {}
+    for who in ("maxtext", loss):
+        out = tmp_path / who
+        argv = ["", maxtext.base_yml, *common, f"base_output_directory={out}", f"metrics_file={out}.jsonl",
+                f"run_name={who}", f"jax_cache_dir={tmp_path / 'jax_cache'}"]
+        if who == "maxtext":
+            train.main(argv)
+        else:
+            rm_train.main(argv + [f"loss={loss}"])
+        runs[who] = _metrics(f"{out}.jsonl")
+    want, got = runs["maxtext"], runs[loss]
+    print({who: [(r["learning/loss"], r["learning/z_loss"]) for r in rows] for who, rows in runs.items()})
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1]
+    assert abs(want[1]["learning/loss"] - want[0]["learning/loss"]) > 1e-4    # the step moved the weights
+    # Step 0 is the same float32 loss. MaxText's tied head (attend) rounds the embedding's gradient to
+    # bfloat16 (2^-8 relative) where recloss keeps float32, so after one update the tied runs differ
+    # by a few 1e-6 of the loss (6e-6 seen); untied ones agree to float32 rounding (1e-7 seen).
+    tied = "logits_via_embedding=true" in overrides
+    for step, (g, w) in enumerate(zip(got, want)):
+        rtol = 1e-4 if (tied and step) else 1e-5
+        np.testing.assert_allclose(g["learning/loss"], w["learning/loss"], rtol=rtol, err_msg=f"step {step}")
+        np.testing.assert_allclose(g["learning/z_loss"], w["learning/z_loss"], rtol=rtol, err_msg=f"step {step}")
+        assert g["learning/z_loss"] > 0

@@ -264,6 +264,49 @@ def test_vocab_loss_matches_dense_bce_of_the_output_head(rng, tied, num_labels, 
     assert float(jnp.abs(used).sum()) > 0
 
 
+
+@pytest.mark.parametrize("loss", ["sampled_softmax", "gbce"])
+def test_sampled_vocab_loss_draws_its_negatives_from_the_decoder_rng_state(rng, loss):
+    # MaxText keeps its randomness as NNX RNG state (decoder.rngs, a train-state count advanced by every
+    # draw): each call draws new negatives, and a model restored from the state after a call (a
+    # checkpoint) draws what the uninterrupted one draws next.
+    v, d, seed = 40, 8, int(rng.integers(1 << 30))
+    print(f"seed={seed}")
+    cfg = _config(loss=loss, num_negatives=7)
+    name, opts = rm.loss_settings(cfg)
+    assert (name, opts.num_negatives, opts.remove_accidental_hits) == (loss, 7, True)
+
+    def fresh():
+        rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+        model = _Model(v, d, rngs)
+        model.decoder.rngs = rngs          # MaxText's NNXDecoder keeps the Rngs it was built with
+        return model
+
+    model, hidden, data = fresh(), jnp.asarray(rng.standard_normal((2, 6, d)), jnp.float32), _batch(rng, v=v)
+    twin = nnx.clone(model)
+    key = jax.random.fold_in(twin.decoder.rngs.dropout(), rm_loss._NEGATIVES_TAG)
+    want = recloss.sampled_loss(model.decoder.decoder_norm(hidden), model.decoder.logits_dense.kernel[...].T,
+                                data["targets"][..., None], data["targets_segmentation"], key=key,
+                                strategy=loss, **{f: getattr(opts, f) for f in ("num_negatives", "reduction")})
+    step = nnx.jit(lambda m, h: rm.vocab_loss(m, h, data, cfg, True)[0])
+    first = float(step(model, hidden))
+    np.testing.assert_allclose(first, float(want.loss), rtol=1e-6)
+    checkpoint = nnx.clone(model)          # the state after one call, by value
+    second = float(step(model, hidden))
+    assert second != first, "the second call drew the first call's negatives"
+    restored = fresh()
+    nnx.update(restored, nnx.state(checkpoint))
+    assert float(step(restored, hidden)) == second
+    third = float(step(model, hidden))
+    assert third not in (first, second)
+    # The count is MaxText's: with a key but no decoder stream, a clear error.
+    no_stream = fresh()
+    no_stream.decoder.rngs = nnx.Rngs(params=seed)       # as MaxText builds a model for inference
+    with pytest.raises(ValueError, match="'dropout' RNG stream"):
+        rm.vocab_loss(no_stream, hidden, data, cfg, True)
+    with pytest.raises(ValueError, match=rf"loss='{loss}' draws K=7 negatives and needs key="):
+        rm.loss_from_hidden(hidden, model.decoder.logits_dense.kernel[...].T, data, cfg)
+
 def test_loss_from_hidden_with_mesh_layout(rng):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
     cfg = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor")
@@ -423,6 +466,20 @@ def test_softmax_config_keys_and_errors():
     with pytest.raises(ValueError, match=r"final_logits_soft_cap=30.0: strategy 'gbce' \(sampled objective\)"):
         rm.check_supported(_config(loss="gbce", final_logits_soft_cap=30.0, logits_via_embedding=True))
 
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(loss="gbce", num_negatives=0), r"'num_negatives'=0 is rejected: .*expected an int >= 1"),
+    (dict(loss="sampled_softmax", num_negatives=65, vocab_size=64), r"num_negatives=65: .*at most vocab_size=64"),
+    (dict(loss="cutce", num_negatives=16), r"'num_negatives'=16 is rejected: strategy 'cutce'"),
+    (dict(loss="gbce", gbce_t=2.0), r"'gbce_t'=2.0 is rejected: .*\[0, 1\]"),
+    (dict(loss="gbce", in_batch_negatives=True), r"'in_batch_negatives'=True is rejected: strategy 'gbce'"),
+    (dict(loss="sampled_softmax", z_loss_multiplier=1e-3), r"z_loss_multiplier=0.001: .*'sampled_softmax'"),
+])
+def test_sampled_config_errors_name_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        rm.check_supported(_config(**overrides))
+    rm.check_supported(_config(loss="gbce", num_negatives=64, vocab_size=64))        # K = V is fine
 
 def test_softmax_config_class_on_a_pydantic_base():
     pydantic = pytest.importorskip("pydantic", reason="pydantic is not installed (MaxText's config needs it)")
@@ -742,3 +799,30 @@ def test_maxtext_two_training_steps_log_what_maxtext_own_loss_logs(maxtext, rng,
         np.testing.assert_allclose(g["learning/loss"], w["learning/loss"], rtol=rtol, err_msg=f"step {step}")
         np.testing.assert_allclose(g["learning/z_loss"], w["learning/z_loss"], rtol=rtol, err_msg=f"step {step}")
         assert g["learning/z_loss"] > 0
+
+
+@pytest.mark.slow
+def test_maxtext_sampled_loss_draws_new_negatives_each_step_and_the_same_after_a_resume(maxtext, rng, tmp_path):
+    # learning_rate=0 and MaxText's synthetic data (the same batch every step; MaxText's own loss is
+    # constant then): a sampled loss moves from step to step only through its negatives. A run stopped
+    # after 2 steps and resumed from its checkpoint logs the uninterrupted run's step-2 loss. (gbce draws
+    # through the same negatives_key: the stand-in test above covers both.)
+    from recloss_plugins.maxtext import train as rm_train
+    loss = "sampled_softmax"
+    seed = int(rng.integers(1 << 30))
+    print(f"init_weights_seed={seed}")
+    common = [*[a for a in TINY if a != "enable_checkpointing=false"], "dataset_type=synthetic", "num_vocab_tiling=2",
+              f"init_weights_seed={seed}", "learning_rate=0", f"loss={loss}", "num_negatives=16",
+              f"jax_cache_dir={tmp_path / 'jax_cache'}"]
+    runs = {}
+    for who, steps, ckpt in (("straight", 3, False), ("stopped", 2, True), ("stopped", 3, True)):
+        out = tmp_path / who
+        rm_train.main(["", maxtext.base_yml, *common, f"steps={steps}", f"base_output_directory={out}",
+                       f"metrics_file={out}-{steps}.jsonl", f"run_name={who}",
+                       f"enable_checkpointing={str(ckpt).lower()}", "checkpoint_period=1", "async_checkpointing=false"])
+        runs[f"{who}-{steps}"] = {r["step"]: r["learning/loss"] for r in _metrics(f"{out}-{steps}.jsonl")}
+    print(runs)
+    straight = runs["straight-3"]
+    assert sorted(straight) == [0, 1, 2] and len(set(straight.values())) == 3, straight
+    assert runs["stopped-2"] == {0: straight[0], 1: straight[1]}
+    assert runs["stopped-3"] == {2: straight[2]}, "the resumed run did not resume, or drew other negatives"

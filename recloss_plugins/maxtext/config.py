@@ -16,7 +16,9 @@ from `config_class()` subclasses it with the keys below:
 Keys (the names of recloss's own trainer config, so one YAML vocabulary serves both):
 
     loss                  recloss strategy, one of recloss.available_strategies(): softmax
-                          (dense_ce, cutce, cutce_pallas) or BCE (dense_bce, cutbce, cutbce_pallas)
+                          (dense_ce, cutce, cutce_pallas), BCE (dense_bce, cutbce, cutbce_pallas) or
+                          sampled (sampled_softmax, gbce: K uniform negatives per step, drawn from
+                          MaxText's own RNG state)
     loss_block_v          vocabulary block size, 0 = chosen by the strategy
     loss_block_n          row block size, 0 = chosen by the strategy
     label_smoothing       ε in [0, 1)
@@ -28,6 +30,10 @@ Keys (the names of recloss's own trainer config, so one YAML vocabulary serves b
     loss_threshold        BCE only: logit threshold of the TP/FP/FN/TN metrics
     z_loss                softmax only: λ >= 0 of λ·logsumexp² (MaxText's z_loss_multiplier sets it too)
     temperature           softmax only: τ > 0, logits are divided by it
+    num_negatives         sampled only: K >= 1 negatives drawn per step (<= V)
+    in_batch_negatives    sampled_softmax only: the other tokens' targets are negatives too
+    remove_accidental_hits  sampled only: a drawn negative equal to the token's target is dropped
+    gbce_t                gbce only: gSASRec's calibration t in [0, 1]
     logit_soft_cap        c > 0: every logit x becomes c·tanh(x/c), or null (MaxText's final_logits_soft_cap
                           sets it too, where MaxText applies it: with logits_via_embedding)
     loss_pad_id           target id that marks padding (-1: MaxText masks with targets_segmentation)
@@ -80,8 +86,8 @@ class Key:
 # The annotation strings are resolved against `_annotations()` when the class is built.
 FIELDS = {
     "loss": Key("str", "cutbce", "recloss strategy: one of recloss.available_strategies(); softmax "
-                "(dense_ce, cutce, cutce_pallas: MaxText's token cross-entropy) or BCE (dense_bce, cutbce, "
-                "cutbce_pallas)."),
+                "(dense_ce, cutce, cutce_pallas: MaxText's token cross-entropy), BCE (dense_bce, cutbce, "
+                "cutbce_pallas) or sampled (sampled_softmax, gbce: uniform negatives from MaxText's RNG state)."),
     "loss_block_v": Key("NonNegativeInt", 0, "Vocabulary block size of the recloss loss; 0 = chosen by "
                         "the strategy."),
     "loss_block_n": Key("NonNegativeInt", 0, "Row block size of the recloss loss; 0 = chosen by the "
@@ -99,6 +105,12 @@ FIELDS = {
     "logit_soft_cap": Key("Optional[float]", None, "Soft cap c > 0 of the recloss loss: every logit x becomes "
                           "c·tanh(x/c); None = MaxText's final_logits_soft_cap where MaxText applies it (tied "
                           "embedding logits), else no cap."),
+    "num_negatives": Key("int", 128, "Sampled strategies: K >= 1 negative ids drawn per step (at most V)."),
+    "in_batch_negatives": Key("bool", False, "sampled_softmax only: the other tokens' targets are negatives "
+                              "too."),
+    "remove_accidental_hits": Key("bool", True, "Sampled strategies: a drawn negative equal to the token's "
+                                  "target is left out of its loss."),
+    "gbce_t": Key("float", 0.75, "gbce only: gSASRec's calibration t in [0, 1]."),
     "loss_interpret": Key("Optional[bool]", None, "Run Pallas strategies in interpret mode; None = "
                           "automatically when not on TPU."),
     "loss_pad_id": Key("int", -1, "Target id that marks padding. MaxText already masks padding with "
@@ -218,7 +230,8 @@ def check_supported(config):
     Checks the strategy and options (via `loss_settings`, and the strategy built
     with them), MaxText's ``num_vocab_tiling`` (> 1, so the decoder returns
     hidden states instead of logits), ``z_loss_multiplier`` (0 unless the
-    strategy takes a z-loss, as the softmax ones do) and the mesh axis keys
+    strategy takes a z-loss, as the softmax ones do), ``num_negatives`` (at most
+    ``vocab_size`` for a sampled strategy) and the mesh axis keys
     (``loss_fsdp_axis`` / ``loss_vocab_axis`` need ``loss_batch_axes``;
     ``loss_fsdp_gather=ring`` needs ``loss_fsdp_axis`` and a strategy that takes it).
     """
@@ -237,6 +250,10 @@ def check_supported(config):
         raise ValueError(f"z_loss_multiplier={z}: z-loss penalises the softmax normaliser, which strategy "
                          f"{name!r} ({recloss.get_strategy(name).objective or 'custom'} objective) does not "
                          f"have; set z_loss_multiplier=0, or use a softmax strategy ({softmax})")
+    vocab = getattr(config, "vocab_size", None)
+    if recloss.get_strategy(name).objective == "sampled" and isinstance(vocab, int) and options.num_negatives > vocab:
+        raise ValueError(f"num_negatives={options.num_negatives}: strategy {name!r} draws at most vocab_size={vocab} "
+                         "negatives per step; lower num_negatives")
     gather = _mesh_axes(config)[3]
     if gather not in recloss.get_strategy(name).fsdp_gathers:
         takers = [n for n in recloss.available_strategies() if gather in recloss.get_strategy(n).fsdp_gathers]
@@ -248,7 +265,7 @@ def _annotations():
     from typing import Literal
 
     from pydantic.types import NonNegativeInt
-    return {"str": str, "int": int, "float": float, "NonNegativeInt": NonNegativeInt,
+    return {"str": str, "int": int, "float": float, "bool": bool, "NonNegativeInt": NonNegativeInt,
             "VocabReduction": Literal["mean", "sum"], "Optional[float]": Optional[float],
             "Optional[bool]": Optional[bool], "Optional[str]": Optional[str], "list[str]": list[str]}
 

@@ -22,7 +22,10 @@ logits, sows its final hidden states, and ``loss_fn`` hands them to
   as MaxText's own does. x is soft-capped, c·tanh(x/c), with MaxText's
   ``final_logits_soft_cap`` where MaxText applies it (tied embedding logits)
   or with ``logit_soft_cap``. With a BCE strategy (``loss=cutbce`` ...) ℓ is
-  the full-vocabulary BCE of `recloss.bce_loss` (z-loss sum 0).
+  the full-vocabulary BCE of `recloss.bce_loss` (z-loss sum 0). With a sampled
+  strategy (``loss=sampled_softmax``, ``gbce``) ℓ is `recloss.sampled_loss` over
+  K uniformly drawn negatives, their key from MaxText's own RNG state
+  (`negatives_key`), so a resumed run draws what an uninterrupted one would.
 * `loss_fn`: MaxText's ``loss_fn`` signature. It runs MaxText's own
   ``loss_fn`` (so MoE, MTP and indexer auxiliary losses, gradient-accumulation
   normalisation and the aux dict stay MaxText's) with `vocab_loss` in place of
@@ -92,6 +95,29 @@ def output_table(model, config, features: int):
     return kernel.T, 1.0
 
 
+# Tags the negatives' key apart from every other draw of the decoder's dropout stream.
+_NEGATIVES_TAG = 0x73616D70
+
+
+def negatives_key(model):
+    """The key of this call's sampled negatives: one draw of the decoder's ``dropout`` RNG stream, tagged.
+
+    MaxText keeps its randomness as NNX RNG state in the model (``decoder.rngs``,
+    seeded from ``init_weights_seed``): the stream's count is part of the train
+    state, advanced by every draw and carried across steps, gradient-accumulation
+    microbatches and checkpoints, so step s draws the same negatives in a
+    resumed run. The draw advances the count whether or not dropout is on.
+    """
+    rngs = getattr(getattr(model, "decoder", None), "rngs", None)
+    try:
+        stream = rngs.dropout
+    except (AttributeError, KeyError):
+        raise ValueError("a sampled recloss loss draws its negatives from the decoder's 'dropout' RNG stream, "
+                         "which this MaxText model does not have (a model built for inference has only "
+                         "'params'); build it for training, or use a softmax or BCE strategy") from None
+    return jax.random.fold_in(stream(), _NEGATIVES_TAG)
+
+
 def _targets_and_weights(data):
     targets = data["targets"]
     if targets.ndim == 2:
@@ -103,18 +129,26 @@ def _targets_and_weights(data):
     return targets, weights
 
 
-def loss_from_hidden(hidden, table, data, config, *, mesh=None):
-    """(Σ w·ℓ, metrics) of the configured recloss strategy (BCE or softmax, through the strategy object).
+def loss_from_hidden(hidden, table, data, config, *, mesh=None, key=None):
+    """(Σ w·ℓ, metrics) of the configured recloss strategy (BCE, softmax or sampled, through the strategy object).
 
     hidden [B, T, D] (already normed and scaled), table [V, D];
     ``data['targets']`` [B, T] or [B, T, L], ``data['targets_segmentation']``
     [B, T] (0 = padding token, weight 0). ``mesh`` is needed only when the
-    config sets ``loss_batch_axes``.
+    config sets ``loss_batch_axes``; ``key`` (a `jax.random` key) only for a
+    sampled strategy, whose K negatives it draws (uniform over the vocabulary).
     """
     name, options = config_lib.loss_settings(config)
     layout = config_lib.layout_for(config, mesh)
     targets, weights = _targets_and_weights(data)
-    out = recloss.get_strategy(name, options)(hidden, table, targets, weights, layout=layout)
+    strategy = recloss.get_strategy(name, options)
+    extra = {}
+    if strategy.objective == "sampled":
+        if key is None:
+            raise ValueError(f"loss={name!r} draws K={options.num_negatives} negatives and needs key= (vocab_loss "
+                             "passes `negatives_key(model)`)")
+        extra["key"] = key
+    out = strategy(hidden, table, targets, weights, layout=layout, **extra)
     return out.loss, out.metrics
 
 
@@ -123,7 +157,8 @@ def vocab_loss(model, hidden_states, data, config, is_train, *, metrics_out: Opt
 
     ℓ is the configured strategy's (module docstring): for a softmax strategy
     MaxText's token cross-entropy including its z-loss term λ·Z², for a BCE one
-    the full-vocabulary BCE. The second value is the z-loss part alone (the
+    the full-vocabulary BCE, for a sampled one the sampled loss over negatives
+    drawn with `negatives_key`. The second value is the z-loss part alone (the
     strategy's ``metrics['z_loss']``; 0 without a z-loss), which MaxText only
     logs: it is inside the first already.
 
@@ -144,7 +179,9 @@ def vocab_loss(model, hidden_states, data, config, is_train, *, metrics_out: Opt
     dtype = jnp.float32 if getattr(config, "logits_dot_in_fp32", False) else getattr(config, "dtype", None)
     if dtype is not None:
         y, table = y.astype(dtype), table.astype(dtype)
-    loss_sum, metrics = loss_from_hidden(y, table, data, config, mesh=getattr(model, "mesh", None))
+    sampled = recloss.get_strategy(config_lib.loss_settings(config)[0]).objective == "sampled"
+    loss_sum, metrics = loss_from_hidden(y, table, data, config, mesh=getattr(model, "mesh", None),
+                                         key=negatives_key(model) if sampled else None)
     if metrics_out is not None:
         metrics_out.update(metrics)
     return loss_sum, metrics.get("z_loss", jnp.zeros((), jnp.float32))

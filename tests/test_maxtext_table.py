@@ -34,3 +34,30 @@ def test_points_and_table():
     text = mt.format_table({"cells": cells, "layers": 2})
     assert "OOM (40.0 GiB temp.)" in text and "0.75 (vs tiling8-ag)" in text and "| m | v6e-8 | 4 × 2048 | 2 |" in text
     assert mt.best_tiling({k.rpartition("|")[2]: v for k, v in cells.items()}) == ("tiling8-ag", 8.0)
+
+
+def test_headline_is_default_best_tiling_and_ours_per_point():
+    ok = lambda t: {"status": "ok", "total_gib": t, "temp_gib": t / 2, "seconds": 30.0}
+    cells = {mt.cell_key("m", "v6e-8", (8, 4096), 2, "maxtext"): {"status": "oom"},
+             mt.cell_key("m", "v6e-8", (8, 4096), 2, "tiling2"): ok(12.0),
+             mt.cell_key("m", "v6e-8", (8, 4096), 2, "tiling4-ag"): ok(9.0),
+             mt.cell_key("m", "v6e-8", (8, 4096), 2, "cutce"): ok(1.0),       # not a MaxText column
+             mt.cell_key("m", "v6e-8", (8, 4096), 2, "cutce_pallas"): ok(7.2),
+             mt.cell_key("m", "v6e-8", (4, 2048), None, "cutce_pallas"): ok(3.0)}  # full depth: not a headline row
+    text = mt.format_headline({"cells": cells, "layers": 2, "stack": {"jax": "0.12"}})
+    rows = [line for line in text.splitlines() if line.startswith("| m ")]
+    assert rows == ["| m | v6e-8 | 8 × 4096 | OOM | 9.00 (tiling4-ag) | 7.20 | 0.80 |"], text
+    assert "jax 0.12, 2 decoder layers" in text
+
+
+def test_largest_fitting_bisects_a_prefix():
+    ladder = mt.LADDER
+    for n_fit in range(len(ladder) + 1):
+        probed = []
+
+        def fits(point):
+            probed.append(point)
+            return ladder.index(point) < n_fit
+
+        assert mt.largest_fitting(ladder, fits) == (ladder[n_fit - 1] if n_fit else None)
+        assert len(probed) <= 4 and len(set(probed)) == len(probed), (n_fit, probed)

@@ -17,8 +17,10 @@ and records the step's per-chip HBM as MaxText counts it, its temporaries and th
 ``oom`` when XLA reports that the step does not fit the chip (with the HBM it asked for where XLA says).
 The JSON is rewritten after every cell and ``--resume`` skips the cells it already holds, so a long
 recording can be stopped and continued. ``--full-depth MODEL`` adds rows at the model's own layer
-count (the output layer's memory does not depend on depth; the rows show it). ``--largest`` adds, per
-model × topology × column, the largest point of a doubling ladder that still fits.
+count (the output layer's memory does not depend on depth; the rows show it), for the columns
+``--full-depth-columns`` names (default: all). ``--largest [COLUMN ...]`` adds, per model × topology × column, the
+largest point of a doubling ladder that still fits. `format_table` is the docs' table, `format_headline`
+the README's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,23 @@ _OOM = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory|Exceeded hbm capacity|H
 _USED = re.compile(r"(?:Used |HLO temporaries \()(?P<used>[\d.]+)(?P<unit>[KMGT])?\)?"
                    r"(?: of | exceeds available HBM \()(?P<cap>[\d.]+)(?P<capunit>[KMGT])?")
 _UNIT = {None: 2**-30, "": 2**-30, "K": 2**-20, "M": 2**-10, "G": 1.0, "T": 2**10}
+
+
+# --largest's points, ascending in tokens per device.
+LADDER = ((1, 2048), (2, 2048), (2, 4096), (4, 4096), (8, 4096), (16, 4096), (32, 4096), (64, 4096), (128, 4096))
+
+
+def largest_fitting(ladder: Sequence[Tuple[int, int]], fits) -> Optional[Tuple[int, int]]:
+    """The largest point of ``ladder`` (ascending) for which ``fits(point)`` is true, or None, by bisection:
+    what fits is a prefix of the ladder (memory grows with the tokens), so about log2(len) probes."""
+    lo, hi = -1, len(ladder)          # ladder[lo] fits (or lo = -1), ladder[hi] does not (or hi = len)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(ladder[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return ladder[lo] if lo >= 0 else None
 
 
 def parse_point(text: str) -> Tuple[int, int]:
@@ -130,10 +149,7 @@ def format_table(data: dict) -> str:
     """The recorded cells as Markdown: one row per model × topology × point × depth; each cell
     "total / temporaries (GiB per chip) · compile s"; the last column cutce_pallas over the best MaxText one."""
     cols = [c for c in COLUMNS if any(k.endswith("|" + c) for k in data["cells"])]
-    rows: Dict[str, Dict[str, dict]] = {}
-    for key, cell in data["cells"].items():
-        row, _, column = key.rpartition("|")
-        rows.setdefault(row, {})[column] = cell
+    rows = _rows(data["cells"])
     head = ["model", "topology", "batch × length", "layers", *cols, "cutce_pallas ÷ best MaxText"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row, cells in rows.items():
@@ -157,6 +173,44 @@ def format_table(data: dict) -> str:
         out += "\n\n" + "Compiled with " + ", ".join(f"{k} {v}" for k, v in stack.items()) + \
                f"; {data.get('layers', '?')} decoder layers unless the row says full."
     return out
+
+
+def _rows(cells: Dict[str, dict]) -> Dict[str, Dict[str, dict]]:
+    """{model|topology|point|depth: {column: cell}} in recording order."""
+    rows: Dict[str, Dict[str, dict]] = {}
+    for key, cell in cells.items():
+        row, _, column = key.rpartition("|")
+        rows.setdefault(row, {})[column] = cell
+    return rows
+
+
+def _gib(cell: Optional[dict]) -> str:
+    if not cell:
+        return "–"
+    return f"{cell['total_gib']:.2f}" if cell["status"] == "ok" else ("OOM" if cell["status"] == "oom" else "error")
+
+
+def format_headline(data: dict) -> str:
+    """The README's summary of the table: per model × topology × point at the recorded depth, per-chip HBM
+    (GiB) of MaxText's default loss, of its best ``num_vocab_tiling`` column, and of ``loss=cutce_pallas``
+    with its ratio to that best."""
+    head = ["model", "topology", "batch × length", "MaxText default", "MaxText's best tiling",
+            "loss=cutce_pallas", "÷ best"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row, cells in _rows(data["cells"]).items():
+        model, topology, point, depth = row.split("|")
+        if depth == "full":
+            continue
+        best = best_tiling(cells)
+        ours = cells.get("cutce_pallas")
+        ratio = (f"{ours['total_gib'] / best[1]:.2f}" if best and ours and ours["status"] == "ok" else "–")
+        lines.append("| " + " | ".join([
+            model, topology, point.replace("x", " × "), _gib(cells.get("maxtext")),
+            f"{best[1]:.2f} ({best[0]})" if best else "none fits", _gib(ours), ratio]) + " |")
+    stack = data.get("stack", {})
+    return "\n".join(lines) + ("\n\nper-chip HBM in GiB (arguments + outputs + temporaries − aliased), compiled with "
+                               + ", ".join(f"{k} {v}" for k, v in stack.items())
+                               + f", {data.get('layers', '?')} decoder layers" if stack else "")
 
 
 def format_largest(data: dict) -> str:
@@ -198,9 +252,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="base_num_decoder_layers (default: %(default)s)")
     parser.add_argument("--full-depth", nargs="*", default=[], metavar="MODEL",
                         help="also compile these models at their own depth, at their first point and topology")
-    parser.add_argument("--largest", action="store_true",
-                        help="per model x topology x column, the largest point of the ladder 1x2048, 2x2048, "
-                             "2x4096, 4x4096, ... that compiles")
+    parser.add_argument("--full-depth-columns", nargs="+", choices=list(COLUMNS), default=None, metavar="COLUMN",
+                        help="the columns of the --full-depth rows (default: --columns)")
+    parser.add_argument("--largest", nargs="*", choices=list(COLUMNS), default=None, metavar="COLUMN",
+                        help="per model x topology x these columns (none named: --columns), the largest point of the ladder 1x2048, 2x2048, "
+                             "2x4096, 4x4096, ..., 128x4096 that compiles (bisection: ~4 compiles each)")
     parser.add_argument("--json", required=True, help="results file, rewritten after every cell")
     parser.add_argument("--resume", action="store_true", help="keep the cells the --json file already holds")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per compile (default: %(default)s)")
@@ -238,7 +294,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for point in args.points:
                 jobs += [(model, topology, point, args.layers, c) for c in args.columns]
         if model in args.full_depth:
-            jobs += [(model, args.topologies[0], args.points[0], None, c) for c in args.columns]
+            jobs += [(model, args.topologies[0], args.points[0], None, c)
+                     for c in (args.full_depth_columns or args.columns)]
     todo = [j for j in jobs if cell_key(*j) not in data["cells"]]
     print(f"maxtext table: {len(todo)} compiles to run ({len(jobs) - len(todo)} already in {path})", flush=True)
     start = time.perf_counter()
@@ -251,16 +308,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{' ' + cell['message'] if cell['status'] == 'error' else ''} "
               f"({cell['wall_s']:.0f} s; ~{elapsed / i * (len(todo) - i) / 60:.0f} min left)", flush=True)
 
-    if args.largest:
-        ladder = [(1, 2048), (2, 2048), (2, 4096), (4, 4096), (8, 4096), (16, 4096), (32, 4096), (64, 4096)]
+    if args.largest is not None:
         for model in args.models:
             for topology in args.topologies:
-                for column in args.columns:
+                for column in (args.largest or args.columns):
                     key = f"{model}|{topology}|{column}"
                     if key in data["largest"]:
                         continue
-                    fits = None
-                    for point in ladder:
+
+                    def fits(point, model=model, topology=topology, column=column):
                         ck = cell_key(model, topology, point, args.layers, column)
                         cell = data["cells"].get(ck) or data.setdefault("ladder", {}).get(ck)
                         if cell is None:
@@ -268,11 +324,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                 workdir=workdir, timeout=args.timeout)
                             data["ladder"][ck] = cell
                             save()
-                            print(f"[largest] {ck}: {_cell_text(cell)}", flush=True)
-                        if cell["status"] != "ok":
-                            break
-                        fits = point_name(point)
-                    data["largest"][key] = fits
+                            print(f"[largest] {ck}: {_cell_text(cell)} ({cell['wall_s']:.0f} s)", flush=True)
+                        return cell["status"] == "ok"
+
+                    found = largest_fitting(LADDER, fits)
+                    data["largest"][key] = None if found is None else point_name(found)
                     save()
     print(format_table(data))
     return 0

@@ -307,6 +307,25 @@ def test_sampled_vocab_loss_draws_its_negatives_from_the_decoder_rng_state(rng, 
     with pytest.raises(ValueError, match=rf"loss='{loss}' draws K=7 negatives and needs key="):
         rm.loss_from_hidden(hidden, model.decoder.logits_dense.kernel[...].T, data, cfg)
 
+
+def test_pallas_loss_on_a_tpu_mesh_runs_the_kernel_and_asks_for_loss_batch_axes(rng):
+    # Compiling for a TPU topology on a CPU host (MaxText's train_compile): jax.default_backend() is
+    # 'cpu', the mesh is TPU. The kernel must not fall back to interpret mode there, and XLA cannot
+    # partition a Mosaic call over a multi-device mesh: without loss_batch_axes, one line that says so.
+    tpu = lambda n: types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="tpu")] * n))
+    assert rm_loss.mesh_platform(tpu(8)) == "tpu" and rm_loss.mesh_platform(None) is None
+    assert rm_loss.mesh_platform(Mesh(np.array(jax.devices()[:1]), ("x",))) == "cpu"
+    hidden = jnp.asarray(rng.standard_normal((2, 6, 8)), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)
+    data = _batch(rng, v=40)
+    for loss in ("cutce_pallas", "cutbce_pallas"):
+        with pytest.raises(ValueError, match=rf"loss='{loss}' runs a Mosaic kernel, .* 8-device mesh: set "
+                                             r"loss_batch_axes .* loss_batch_axes=\[data,fsdp\]"):
+            rm.loss_from_hidden(hidden, table, data, _config(loss=loss), mesh=tpu(8))
+    # interpret mode asked for, or a blocked strategy: XLA partitions those itself.
+    rm.loss_from_hidden(hidden, table, data, _config(loss="cutce_pallas", loss_interpret=True), mesh=tpu(8))
+    rm.loss_from_hidden(hidden, table, data, _config(loss="cutce"), mesh=tpu(8))
+
 def test_loss_from_hidden_with_mesh_layout(rng):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
     cfg = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor")

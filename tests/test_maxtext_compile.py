@@ -42,12 +42,16 @@ def base_yml():
     return os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")
 
 
-def _run(*args):
+def _process(*args):
     """The command in a fresh process: MaxText's train_compile leaves process-wide state behind
     (PRNG implementation, compilation cache, Flax's sharding context) that other tests must not see."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
-    run = subprocess.run([sys.executable, "-m", "recloss_plugins.maxtext.compile", *args], capture_output=True,
-                         text=True, env=env, timeout=600, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "recloss_plugins.maxtext.compile", *args], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=ROOT)
+
+
+def _run(*args):
+    run = _process(*args)
     assert run.returncode == 0, run.stderr[-4000:]
     lines = [l for l in run.stdout.splitlines() if l.startswith("recloss-maxtext-compile:")]
     assert len(lines) == 1, run.stdout[-4000:]
@@ -59,7 +63,10 @@ def test_compiles_maxtext_with_and_without_the_recloss_loss(base_yml):
     """Plain MaxText, then the recloss loss (whose loss_fn raises if MaxText's step never called its
     hook, so a 0 exit means the recloss loss was compiled into the step)."""
     plain, _ = _run(base_yml, *TINY)
-    ours, err = _run(base_yml, *TINY, "loss=cutce_pallas", "num_vocab_tiling=2")
+    ours, err = _run(base_yml, *TINY, "loss=cutce_pallas", "num_vocab_tiling=2", "loss_batch_axes=[data,fsdp]",
+                     "loss_fsdp_axis=fsdp")
+    # The Mosaic kernel was compiled, not its interpret-mode stand-in (the host's backend is the CPU).
+    assert "interpret mode" not in err, err[-2000:]
     pattern = r"recloss-maxtext-compile: per-chip HBM (\d+\.\d{3}) GiB \(temporaries (\d+\.\d{3}) GiB\), " \
               r"compiled in (\d+\.\d) s; loss=(.+)$"
     for line, loss in ((plain, "MaxText default"), (ours, "cutce_pallas")):
@@ -67,3 +74,11 @@ def test_compiles_maxtext_with_and_without_the_recloss_loss(base_yml):
         assert m and m.group(4) == loss, line
         assert float(m.group(1)) >= float(m.group(2)) > 0 and float(m.group(3)) > 0, line
     assert "unexpected worker hostname" not in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_a_pallas_loss_without_loss_batch_axes_says_what_to_set(base_yml):
+    run = _process(base_yml, *TINY, "loss=cutce_pallas", "num_vocab_tiling=2")
+    assert run.returncode != 0
+    assert ("loss='cutce_pallas' runs a Mosaic kernel, which XLA cannot partition over MaxText's 8-device mesh: "
+            "set loss_batch_axes") in run.stdout + run.stderr, run.stderr[-3000:]

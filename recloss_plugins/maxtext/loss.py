@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 
 import recloss
+from recloss.pallas.strategy import PallasStrategy
 from recloss_plugins.flax import unwrap
 from recloss_plugins.maxtext import config as config_lib
 
@@ -129,6 +130,14 @@ def _targets_and_weights(data):
     return targets, weights
 
 
+def mesh_platform(mesh) -> Optional[str]:
+    """The platform of ``mesh``'s devices ('tpu' for a TPU topology compiled ahead of time), or None."""
+    devices = getattr(mesh, "devices", None)
+    if devices is None or getattr(devices, "size", 0) == 0:
+        return None
+    return getattr(devices.flat[0], "platform", None)
+
+
 def loss_from_hidden(hidden, table, data, config, *, mesh=None, key=None):
     """(Σ w·ℓ, metrics) of the configured recloss strategy (BCE, softmax or sampled, through the strategy object).
 
@@ -136,12 +145,25 @@ def loss_from_hidden(hidden, table, data, config, *, mesh=None, key=None):
     ``data['targets']`` [B, T] or [B, T, L], ``data['targets_segmentation']``
     [B, T] (0 = padding token, weight 0). ``mesh`` is needed only when the
     config sets ``loss_batch_axes``; ``key`` (a `jax.random` key) only for a
-    sampled strategy, whose K negatives it draws (uniform over the vocabulary).
+    sampled strategy, whose K negatives it draws (uniform over the vocabulary). A Pallas strategy runs its
+    TPU kernel (not interpret mode) when ``mesh`` is a TPU mesh and ``loss_interpret`` is unset, also when
+    the host compiling it is a CPU (MaxText's train_compile).
     """
     name, options = config_lib.loss_settings(config)
     layout = config_lib.layout_for(config, mesh)
+    if (layout is None and options.interpret is None and mesh_platform(mesh) == "tpu"
+            and "interpret" in recloss.get_strategy(name).options_supported):
+        # Without a layout a strategy decides interpret mode from jax.default_backend(), which is 'cpu'
+        # when MaxText compiles for a TPU topology ahead of time on a CPU host; the mesh says TPU.
+        options = options.replace(interpret=False)
     targets, weights = _targets_and_weights(data)
     strategy = recloss.get_strategy(name, options)
+    if (layout is None and mesh_platform(mesh) == "tpu" and mesh.devices.size > 1
+            and options.interpret is False and isinstance(strategy, PallasStrategy)):
+        raise ValueError(f"loss={name!r} runs a Mosaic kernel, which XLA cannot partition over MaxText's "
+                         f"{mesh.devices.size}-device mesh: set loss_batch_axes (the mesh axes the tokens are "
+                         "split over) so it runs under shard_map, e.g. loss_batch_axes=[data,fsdp] "
+                         "loss_fsdp_axis=fsdp")
     extra = {}
     if strategy.objective == "sampled":
         if key is None:

@@ -235,7 +235,8 @@ NOT_RUN = (
                                                                      ["recloss_plugins.sasrec.data.input_bench"],
                                                                      ["recloss_plugins.sasrec.sampled_bias"]))),
      "a benchmark or figure recording (minutes): its output is the results file the page renders"),
-    (lambda p, a: p == "recloss-maxtext-compile" or a[1:2] == ["recloss_plugins.maxtext.train"],
+    (lambda p, a: p == "recloss-maxtext-compile" or a[1:2] in (["recloss_plugins.maxtext.train"],
+                                                                ["recloss_plugins.maxtext.table"]),
      "needs MaxText and a TPU compile (tests/test_maxtext_*.py)"),
     (lambda p, a: p == "pip", "installs packages"),
 )

@@ -11,7 +11,9 @@ point × column:
     tiling{k}        num_vocab_tiling=k, k = 2, 4, 8
     tiling{k}-ag     the same with vocab_tiling_ag_once=true
     cutce            loss=cutce num_vocab_tiling=2
-    cutce_pallas     loss=cutce_pallas num_vocab_tiling=2
+    cutce_pallas     loss=cutce_pallas num_vocab_tiling=2 loss_batch_axes=[data,fsdp] loss_fsdp_axis=fsdp
+                     loss_fsdp_gather=ring (the kernel under shard_map: XLA cannot partition a Mosaic call)
+    cutce_pallas-once  the same with the table all-gathered once per step (loss_fsdp_gather=once)
 
 and records the step's per-chip HBM as MaxText counts it, its temporaries and the compile's seconds, or
 ``oom`` when XLA reports that the step does not fit the chip (with the HBM it asked for where XLA says).
@@ -40,7 +42,12 @@ COLUMNS: Dict[str, Tuple[str, ...]] = {
     **{f"tiling{k}{ag}": (f"num_vocab_tiling={k}",) + (("vocab_tiling_ag_once=true",) if ag else ())
        for k in (2, 4, 8) for ag in ("", "-ag")},
     "cutce": ("loss=cutce", "num_vocab_tiling=2"),
-    "cutce_pallas": ("loss=cutce_pallas", "num_vocab_tiling=2"),
+    # A Mosaic kernel cannot be partitioned by XLA: the Pallas loss runs under shard_map over the
+    # tokens, the FSDP-stored table's slices passed round the fsdp axis.
+    "cutce_pallas": ("loss=cutce_pallas", "num_vocab_tiling=2", "loss_batch_axes=[data,fsdp]", "loss_fsdp_axis=fsdp",
+                     "loss_fsdp_gather=ring"),
+    "cutce_pallas-once": ("loss=cutce_pallas", "num_vocab_tiling=2", "loss_batch_axes=[data,fsdp]",
+                          "loss_fsdp_axis=fsdp"),
 }
 MAXTEXT_COLUMNS = tuple(c for c in COLUMNS if not c.startswith("cutce"))
 _LINE = re.compile(r"recloss-maxtext-compile: per-chip HBM (?P<total>[\d.]+) GiB \(temporaries (?P<temp>[\d.]+) GiB\), "

@@ -42,6 +42,15 @@ class RunTable:
         return "\n".join(["```sh", self.command, "```", "", f"Recorded in [`{rel}`]({rel}):", "", body])
 
 
+# MaxText's vocab tiling against loss=cutce_pallas, on the Python 3.12 venv where MaxText installs.
+MAXTEXT_TABLE = "\n".join(
+    ".venv312/bin/python -m recloss_plugins.maxtext.table --json docs/figures/data/maxtext.json --resume " + args
+    for args in ("--topologies v6e-8",
+                 "--models qwen3-0.6b --topologies v6e-8 --points 4x2048 --columns tiling8 cutce_pallas "
+                 "--full-depth qwen3-0.6b",
+                 "--models qwen3-0.6b --topologies v6e-8 --points 4x2048 --columns cutce_pallas-once",
+                 "--models qwen3-0.6b --topologies v5p-8 --columns maxtext tiling4 tiling8 cutce cutce_pallas"))
+
 RUN_TABLES: Dict[str, RunTable] = {
     "input-bench": RunTable(
         "data/input-bench.json",
@@ -66,6 +75,8 @@ RUN_TABLES: Dict[str, RunTable] = {
         "data/quality.json",
         "make quality QUALITY_ARGS='--sweep learning_rate=1e-3,3e-3,1e-2 --json docs/figures/data/quality.json'",
         "recloss_plugins.sasrec.quality:format_run"),
+    "maxtext": RunTable("data/maxtext.json", MAXTEXT_TABLE, "recloss_plugins.maxtext.table:format_table"),
+    "maxtext-headline": RunTable("data/maxtext.json", MAXTEXT_TABLE, "recloss_plugins.maxtext.table:format_headline"),
 }
 
 _RUN_BLOCK = re.compile(r"(?P<start><!-- figures:(?P<name>[\w.-]+) run -->\n)(?P<body>.*?)"

@@ -19,7 +19,8 @@ and records the step's per-chip HBM as MaxText counts it, its temporaries and th
 ``oom`` when XLA reports that the step does not fit the chip (with the HBM it asked for where XLA says).
 The JSON is rewritten after every cell and ``--resume`` skips the cells it already holds, so a long
 recording can be stopped and continued. ``--full-depth MODEL`` adds rows at the model's own layer
-count (the output layer's memory does not depend on depth; the rows show it), for the columns
+count (the output layer's own memory does not depend on depth, where the step's peak lies does; the
+rows show it), for the columns
 ``--full-depth-columns`` names (default: all). ``--largest [COLUMN ...]`` adds, per model × topology × column, the
 largest point of a doubling ladder that still fits. `format_table` is the docs' table, `format_headline`
 the README's.
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+_PALLAS = ("loss=cutce_pallas", "num_vocab_tiling=2", "loss_batch_axes=[data,fsdp]", "loss_fsdp_axis=fsdp")
 COLUMNS: Dict[str, Tuple[str, ...]] = {
     "maxtext": (),
     **{f"tiling{k}{ag}": (f"num_vocab_tiling={k}",) + (("vocab_tiling_ag_once=true",) if ag else ())
@@ -44,10 +46,8 @@ COLUMNS: Dict[str, Tuple[str, ...]] = {
     "cutce": ("loss=cutce", "num_vocab_tiling=2"),
     # A Mosaic kernel cannot be partitioned by XLA: the Pallas loss runs under shard_map over the
     # tokens, the FSDP-stored table's slices passed round the fsdp axis.
-    "cutce_pallas": ("loss=cutce_pallas", "num_vocab_tiling=2", "loss_batch_axes=[data,fsdp]", "loss_fsdp_axis=fsdp",
-                     "loss_fsdp_gather=ring"),
-    "cutce_pallas-once": ("loss=cutce_pallas", "num_vocab_tiling=2", "loss_batch_axes=[data,fsdp]",
-                          "loss_fsdp_axis=fsdp"),
+    "cutce_pallas": _PALLAS + ("loss_fsdp_gather=ring",),
+    "cutce_pallas-once": _PALLAS,
 }
 MAXTEXT_COLUMNS = tuple(c for c in COLUMNS if not c.startswith("cutce"))
 _LINE = re.compile(r"recloss-maxtext-compile: per-chip HBM (?P<total>[\d.]+) GiB \(temporaries (?P<temp>[\d.]+) GiB\), "

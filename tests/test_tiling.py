@@ -1,5 +1,6 @@
 """recloss.pallas.tiling: the (8, 128) tiling rule, VMEM budgets and the chip table (no kernel runs)."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -70,3 +71,26 @@ def test_wide_hidden_states_shrink_the_blocks_to_fit(chip, d):
     with pytest.raises(ValueError, match=r"cannot tile D=4096 .* on chip 'v4'"):
         tiling.choose(("bce", "fused"), 4096, 128256, 4096, jnp.float32, jnp.float32, recloss.LossOptions(),
                       bias=False, chip=tiling.CHIPS["v4"])
+
+
+@pytest.mark.parametrize("ambient, f32_precision", [
+    (None, "DEFAULT"), ("default", "DEFAULT"), ("bfloat16", "DEFAULT"), ("BF16_BF16_F32", "DEFAULT"),
+    ("high", "HIGHEST"), ("tensorfloat32", "HIGHEST"), ("BF16_BF16_F32_X3", "HIGHEST"),
+    ("highest", "HIGHEST"), ("float32", "HIGHEST"), ("F32_F32_F32", "HIGHEST")])
+def test_kernel_products_take_the_ambient_precision_mosaic_can_run(ambient, f32_precision):
+    # Mosaic runs DEFAULT and HIGHEST only, and HIGHEST only on 32-bit operands; 16-bit products are
+    # exact in the f32 accumulator whatever is asked.
+    from recloss.pallas import grid
+    with jax.default_matmul_precision(ambient):
+        assert grid.dot_precision(jnp.float32) == getattr(jax.lax.Precision, f32_precision)
+        assert grid.dot_precision(jnp.bfloat16) == jax.lax.Precision.DEFAULT
+
+
+def test_float16_operands_are_tiled_as_the_float32_the_kernel_holds():
+    assert tiling.kernel_dtype(jnp.float16) == jnp.float32
+    assert tiling.kernel_dtype(jnp.bfloat16) == jnp.bfloat16
+    chip = tiling.get_chip("v5e")
+    opts = recloss.LossOptions()
+    f16 = tiling.choose(("bce", "fused"), 4096, 100_000, 256, jnp.float16, jnp.float16, opts, bias=True, chip=chip)
+    f32 = tiling.choose(("bce", "fused"), 4096, 100_000, 256, jnp.float32, jnp.float32, opts, bias=True, chip=chip)
+    assert f16 == f32

@@ -195,3 +195,18 @@ def test_cutce_pallas_small_odd_shape_all_options():
     compiled = topology.compile_loss_grad("cutce_pallas", "v5p-8", shape, with_bias=True, reduction="none",
                                 compute_metrics=False, **opts)
     assert len(_kernel_names(compiled)) == 2
+
+
+# ----------------------------------------------------------------------------- dtypes and precision
+@pytest.mark.parametrize("precision", [None, "high", "highest"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("strategy", ["cutbce_pallas", "cutce_pallas"])
+def test_kernels_compile_for_every_input_dtype_under_every_matmul_precision(strategy, dtype, precision):
+    # Found running the oracle tests on a real v5e: Mosaic refused float16 blocks on every chip ("Invalid
+    # vector type for load"), bfloat16 operands under jax.default_matmul_precision('highest') ("Bad lhs
+    # type") and any operands under 'high' ("Unsupported dot precision: HIGH" with jax 0.10.2). The
+    # kernels now widen float16 and give every product an explicit precision (grid.dot_precision).
+    shape = topology.Shape(2, 13, 40, 300, L=3, dtype=dtype)
+    with jax.default_matmul_precision(precision):
+        compiled = topology.compile_loss_grad(strategy, "v5e-8", shape, with_bias=True)
+    assert len(_kernel_names(compiled)) == (1 if strategy == "cutbce_pallas" else 2)

@@ -107,6 +107,7 @@ class _Geometry(NamedTuple):
     may_skip: bool        # the last step of the last core has no block
     mask_rows: bool       # the last block's rows past V_local are unspecified
     cdt: Any              # compute dtype of the products
+    precision: Any        # their jax.lax.Precision (`dot_precision`)
 
     def block(self, c, j):
         """The vocab block core c reads at step j (clamped: a skipped step re-reads the last)."""
@@ -118,7 +119,29 @@ def _geometry(t: tiling.Tiling, a, e) -> _Geometry:
     nb = -(-v_local // t.bv)
     nbc = -(-nb // t.cores)
     cdt = a.dtype if a.dtype == e.dtype else jnp.promote_types(a.dtype, e.dtype)
-    return _Geometry(nb, nbc, nbc * t.cores != nb, v_local % t.bv != 0, cdt)
+    return _Geometry(nb, nbc, nbc * t.cores != nb, v_local % t.bv != 0, cdt, dot_precision(cdt))
+
+
+def dot_precision(cdt):
+    """The `jax.lax.Precision` of the kernel's MXU products for operands of dtype ``cdt``, at trace time.
+
+    Mosaic takes two: DEFAULT (its own choice for the operands' dtype) and HIGHEST (float32); the dot is always given one
+    explicitly, so the ambient ``jax_default_matmul_precision`` never reaches Mosaic unfiltered.
+    16-bit operands: DEFAULT (their products are exact in the float32 accumulator, and Mosaic refuses
+    float32 contract precision on bfloat16 operands: "Bad lhs type"). float32 operands: the ambient
+    precision, with 'high' (tensorfloat32) taken up to HIGHEST (Mosaic in jax 0.10.2 has no HIGH:
+    "Unsupported dot precision"), and a named dot algorithm as DEFAULT when it is one pass of 16-bit
+    or narrower operands (BF16_BF16_F32, F16_F16_F32, ANY_F8_...), else as HIGHEST.
+    """
+    default, highest = jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST
+    value = jax.config.jax_default_matmul_precision
+    if jnp.dtype(cdt).itemsize < 4 or value is None:
+        return default
+    try:
+        return default if jax.lax.Precision(value) == default else highest
+    except ValueError:      # a lax.DotAlgorithmPreset name
+        one_pass = value.startswith(("BF16_BF16_", "F16_F16_", "ANY_F8_")) and not value.endswith(("_X3", "_X6", "_X9"))
+        return default if one_pass else highest
 
 
 def _operands(spec: Spec, t: tiling.Tiling, g: _Geometry, a, e, b, row_in, de_in, db_in, de_dtype):
@@ -167,9 +190,9 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
         if step.live is not None:
             gr = jnp.where(step.live, gr, 0.0)
         gc = gr.astype(g.cdt)
-        ref["da"][step.rows, :] += jnp.dot(gc, step.e, preferred_element_type=jnp.float32)
+        ref["da"][step.rows, :] += jnp.dot(gc, step.e, precision=g.precision, preferred_element_type=jnp.float32)
         acc = ref["de_acc"] if de_scratch else ref["de"]
-        acc[...] += jax.lax.dot_general(gc, step.a, (((0,), (0,)), ((), ())),
+        acc[...] += jax.lax.dot_general(gc, step.a, (((0,), (0,)), ((), ())), precision=g.precision,
                                         preferred_element_type=jnp.float32)
         if has_bias:
             ref["db"][...] += jnp.sum(gr, axis=0, keepdims=True)
@@ -207,7 +230,7 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
             def sub_tile(s, carry):
                 rows = pl.ds(pl.multiple_of(s * bs, bs), bs)
                 a_s = ref["a"][rows, :].astype(g.cdt)
-                x = jax.lax.dot_general(a_s, e_blk, (((1,), (1,)), ((), ())),
+                x = jax.lax.dot_general(a_s, e_blk, (((1,), (1,)), ((), ())), precision=g.precision,
                                         preferred_element_type=jnp.float32)
                 if bias is not None:
                     x = x + bias
@@ -312,9 +335,12 @@ def sweep(spec: Spec, t: tiling.Tiling, a, e, b, vocab_offset, *, rows: Sequence
     rows: per-row inputs [(name, [M] vector, fill for padded rows)], cast to
     f32 and resident as [bn, 1]. static_offset: vocab_offset when it is a
     Python int (else None: traced), for deciding whether columns need masking.
-    dE is f32, or the table's dtype when one row chunk covers all rows (the sum
-    over rows is then complete in f32 before the single rounding).
+    float16 operands are widened to float32 first (`tiling.kernel_dtype`).
+    dE is f32, or the table's (kernel) dtype when one row chunk covers all rows
+    (the sum over rows is then complete in f32 before the single rounding).
     """
+    a, e = a.astype(tiling.kernel_dtype(a.dtype)), e.astype(tiling.kernel_dtype(e.dtype))
+    b = None if b is None else b.astype(tiling.kernel_dtype(b.dtype))
     m, d = a.shape
     v = e.shape[0]
     dp, nrows = t.d_pad, t.rows

@@ -176,6 +176,14 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def kernel_dtype(dtype):
+    """The dtype an operand of ``dtype`` has inside the kernels: float16 is widened to float32 (exact)
+    before the call, every other dtype is kept. Mosaic has no float16 vector loads: a float16 block
+    fails to compile ("Invalid vector type for load") for v5e, v5p and v6e alike."""
+    import numpy as np
+    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
+
+
 def sublanes(dtype) -> int:
     """Row multiple of the (8, 128) rule for a hidden-state dtype: 8 for 32-bit, 16 for 16-bit."""
     import numpy as np
@@ -236,6 +244,7 @@ def choose(mode: tuple, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Lo
         raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
     spec = MODES[mode]
     who = who or f"the {mode[0]} kernel's {mode[1]!r} sweep"
+    a_dtype, e_dtype = kernel_dtype(a_dtype), kernel_dtype(e_dtype)
     a_bytes, e_bytes = np.dtype(a_dtype).itemsize, np.dtype(e_dtype).itemsize
     sub = sublanes(a_dtype)
     d_pad = _round_up(d, LANES)

@@ -348,3 +348,27 @@ def test_strategies_say_their_objective():
     assert recloss.available_strategies("bce") == ("cutbce", "cutbce_pallas", "dense_bce")
     assert recloss.available_strategies("no such objective") == ()
     assert set(recloss.available_strategies()) >= set(STRATEGIES) | set(strategies("bce"))
+
+
+def test_log_partition_corrects_a_coarse_log_to_exps_accuracy(rng, monkeypatch):
+    # A TPU v5e's float32 log is off by ~1e-5 absolute where exp is within ~1e-6 relative; every
+    # softmax probability exp(x − Z) inherits Z's absolute error. Stand in a log with a 1e-5 error of
+    # random sign: partition.log's Newton step must bring it back within a few float32 ulps.
+    from recloss.softmax import partition
+    s = np.exp(rng.uniform(-5.0, 17.0, size=4096)).astype(np.float32)     # sums of 1 .. 2e7 columns
+    exact = np.log(s.astype(np.float64))
+    sign = jnp.asarray(rng.choice([-1.0, 1.0], size=s.shape), jnp.float32)
+
+    class CoarseLog:
+        def __getattr__(self, name):
+            return getattr(jnp, name)
+
+        @staticmethod
+        def log(x):
+            return jnp.log(x) + 1e-5 * sign
+
+    assert np.max(np.abs(f64(jnp.log(s) + 1e-5 * sign) - exact)) > 9e-6     # the stand-in is coarse
+    monkeypatch.setattr(partition, "jnp", CoarseLog())
+    got = f64(partition.log(jnp.asarray(s)))
+    tol = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(exact), 1.0)
+    assert np.all(np.abs(got - exact) <= tol), np.max(np.abs(got - exact) / np.maximum(np.abs(exact), 1.0))

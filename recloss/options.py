@@ -57,7 +57,8 @@ class LossOptions:
       vocab_size: the real vocabulary size; table rows ≥ vocab_size are inert
         (no loss, no metrics, zero gradient). None = every table row.
       interpret: Pallas strategies only: run kernels in interpret mode
-        (None = automatically off TPU).
+        (None = automatically off TPU: the platform of the layout's mesh, else of
+        the mesh `jax.set_mesh` set, else the default backend).
       z_loss: softmax only: λ ≥ 0, adds λ·Z² per position (Z = logsumexp of the logits).
       temperature: softmax and sampled: τ > 0, logits are divided by it.
       logit_soft_cap: BCE and softmax: c > 0, each logit x becomes c·tanh(x/c) (Gemma's final

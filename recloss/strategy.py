@@ -234,7 +234,12 @@ def _vocab_size(opts: LossOptions, rows: int) -> int:
 
 
 def _platform(layout) -> str:
-    """Platform of the layout's mesh (TPU when compiling for a TPU topology), else the default backend."""
+    """Platform of the layout's mesh, else of the ambient mesh (`jax.set_mesh`), else the default
+    backend. A TPU topology compiled ahead of time on a CPU host is 'tpu' either way, so a Pallas
+    strategy compiles its Mosaic kernel there, not its interpret-mode stand-in."""
     if layout is not None:
         return layout.platform
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None:
+        return device.platform
     return jax.default_backend()

@@ -210,3 +210,24 @@ def test_kernels_compile_for_every_input_dtype_under_every_matmul_precision(stra
     with jax.default_matmul_precision(precision):
         compiled = topology.compile_loss_grad(strategy, "v5e-8", shape, with_bias=True)
     assert len(_kernel_names(compiled)) == (1 if strategy == "cutbce_pallas" else 2)
+
+
+@pytest.mark.parametrize("strategy", ["cutbce_pallas", "cutce_pallas"])
+def test_no_layout_under_a_tpu_mesh_compiles_the_kernel_not_the_interpreter(strategy):
+    # A Flax user's own AOT compile for a TPU topology on a CPU host: jax.default_backend() is 'cpu', but
+    # the mesh set by jax.set_mesh is TPU. The strategy used to read the backend and compile its
+    # interpret-mode stand-in (XLA loops, no Mosaic call) with a warning; it reads the mesh now.
+    import warnings
+    from jax.sharding import NamedSharding, PartitionSpec
+    mesh = topology.one_chip_mesh("v5e-8")
+    rep = NamedSharding(mesh, PartitionSpec())
+    args = [jax.ShapeDtypeStruct((2, 16, 64), jnp.float32, sharding=rep),
+            jax.ShapeDtypeStruct((500, 64), jnp.float32, sharding=rep),
+            jax.ShapeDtypeStruct((2, 16, 3), jnp.int32, sharding=rep)]
+    entry = recloss.get_strategy(strategy).entry_point.split(".")[-1]
+    loss = lambda h, e, t: getattr(recloss, entry)(h, e, t, strategy=strategy).loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # the interpret-mode warning fails the test
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+    assert len(_kernel_names(compiled)) == (1 if strategy == "cutbce_pallas" else 2)

@@ -64,9 +64,7 @@ def compile_case(strategy: str, variant: str, mesh_name: str):
     entry = recloss.softmax_loss if objective == "softmax" else recloss.bce_loss
     layout = None
     if mesh_name == "v6e1":
-        mesh = topology.one_chip_mesh("v6e-8")
-        if strategy.endswith("_pallas"):
-            options = dict(options, interpret=False)
+        mesh = topology.one_chip_mesh("v6e-8")      # under set_mesh below: Pallas strategies compile Mosaic
     elif mesh_name == "cpu1":
         mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("chip",))
     else:

@@ -101,7 +101,8 @@ def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: 
     The strategy's entry point (bce_loss or softmax_loss) is taken from its objective; the sum
     makes ``reduction='none'`` scalar (and is the loss itself otherwise).
 
-    Kernels are compiled for real (``interpret=False``). Raises whatever the
+    Kernels are compiled for real: the TPU mesh is set (``jax.set_mesh``), so a Pallas strategy's
+    platform is 'tpu' and its Mosaic kernel compiles, not its interpreter. Raises whatever the
     compiler raises (an HBM out-of-memory is a RESOURCE_EXHAUSTED error).
     """
     import jax
@@ -119,8 +120,6 @@ def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: 
     if with_bias:
         args.append(jax.ShapeDtypeStruct((shape.V,), dt, sharding=rep))
     spec = recloss.get_strategy(strategy)
-    if "interpret" in spec.options_supported:
-        options.setdefault("interpret", False)      # Pallas strategies: compile the kernel for the TPU
     entry = recloss.softmax_loss if spec.objective == "softmax" else recloss.bce_loss
 
     def loss(h, e, t, *maybe_bias):

@@ -146,20 +146,16 @@ def loss_from_hidden(hidden, table, data, config, *, mesh=None, key=None):
     [B, T] (0 = padding token, weight 0). ``mesh`` is needed only when the
     config sets ``loss_batch_axes``; ``key`` (a `jax.random` key) only for a
     sampled strategy, whose K negatives it draws (uniform over the vocabulary). A Pallas strategy runs its
-    TPU kernel (not interpret mode) when ``mesh`` is a TPU mesh and ``loss_interpret`` is unset, also when
-    the host compiling it is a CPU (MaxText's train_compile).
+    TPU kernel (not interpret mode) under MaxText's ``jax.set_mesh`` of a TPU mesh unless ``loss_interpret``
+    is set, also when the host compiling it is a CPU (MaxText's train_compile): the strategy reads the
+    platform from the ambient mesh.
     """
     name, options = config_lib.loss_settings(config)
     layout = config_lib.layout_for(config, mesh)
-    if (layout is None and options.interpret is None and mesh_platform(mesh) == "tpu"
-            and "interpret" in recloss.get_strategy(name).options_supported):
-        # Without a layout a strategy decides interpret mode from jax.default_backend(), which is 'cpu'
-        # when MaxText compiles for a TPU topology ahead of time on a CPU host; the mesh says TPU.
-        options = options.replace(interpret=False)
     targets, weights = _targets_and_weights(data)
     strategy = recloss.get_strategy(name, options)
     if (layout is None and mesh_platform(mesh) == "tpu" and mesh.devices.size > 1
-            and options.interpret is False and isinstance(strategy, PallasStrategy)):
+            and isinstance(strategy, PallasStrategy) and not strategy.interpret("tpu")):
         raise ValueError(f"loss={name!r} runs a Mosaic kernel, which XLA cannot partition over MaxText's "
                          f"{mesh.devices.size}-device mesh: set loss_batch_axes (the mesh axes the tokens are "
                          "split over) so it runs under shard_map, e.g. loss_batch_axes=[data,fsdp] "

@@ -239,6 +239,8 @@ NOT_RUN = (
                                                                 ["recloss_plugins.maxtext.table"]),
      "needs MaxText and a TPU compile (tests/test_maxtext_*.py)"),
     (lambda p, a: p == "pip", "installs packages"),
+    (lambda p, a: p in ("python", "python3") and a[:2] == ["-m", "pytest"],
+     "the suite on a TPU VM (make test runs it here, kernels interpreted)"),
 )
 # Appended to a documented recloss-train / recloss-prepare-data command: the same command at toy size.
 TINY = ["synthetic_num_users=48", "synthetic_num_items=255", "synthetic_min_len=20", "synthetic_max_len=30",

@@ -79,6 +79,9 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
                 jax_version=jax.__version__, recloss_version=recloss.__version__)
     if objective != "bce":
         info.update(objective=objective, dense=obj.dense, precision=precision or "default")
+    if jax.default_backend() == "tpu":
+        from recloss.bench import figures
+        info["libtpu_version"] = figures.current_stack()["libtpu"] or "unknown"
     if any(r.peer for r in rows):
         info["tokamax_version"] = peers.version()
     if any(r.strategy == f"{TOKAMAX}:chunked_xla" for r in rows) and v % peers.CHUNKED_V_BLOCK:

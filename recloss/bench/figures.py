@@ -216,18 +216,31 @@ class CpuTable:
     (timings are this machine's, not a stack's)."""
     file: str                    # under docs/figures: 'cpu/bce.json'
     args: str = ""               # recloss-bench arguments besides --json
-    target: str = "bench"        # the make target: 'bench-py312' runs the Python 3.12 venv (Tokamax)
+    target: str = "bench"        # the make target: 'bench-py312' runs the Python 3.12 venv (Tokamax);
+                                 # '' is recloss-bench itself, run where the accelerator is (a TPU VM)
 
     def command(self) -> str:
         extra = f"{self.args} " if self.args else ""
+        if not self.target:
+            return f"recloss-bench {extra}--json docs/figures/{self.file}"
         return f'make {self.target} BENCH_ARGS="{extra}--json docs/figures/{self.file}"'
 
 
+_TPU_ARGS = "--batch 8 --seq 256 --dim 256 --repeats 10"   # the paper's per-chip rows and D
 CPU_TABLES: Dict[str, CpuTable] = {
     "cpu-bce": CpuTable("cpu/bce.json"),
     # Tokamax takes one label per position: its peer rows need --labels 1 and Python >= 3.12.
     "cpu-softmax-l1": CpuTable("cpu/softmax-l1.json", "--objective softmax --labels 1 --repeats 7", "bench-py312"),
     "cpu-softmax": CpuTable("cpu/softmax.json", "--objective softmax --repeats 7", "bench-py312"),
+    # Timed on one real TPU v5e chip (a TPU VM with jax 0.10.2 and libtpu 0.0.42.1).
+    "tpu-v5e-bce": CpuTable("tpu/v5e-bce.json", _TPU_ARGS + " --strategies dense_bce,optax,cutbce,cutbce_pallas "
+                            "--vocab 131072", ""),
+    "tpu-v5e-softmax": CpuTable("tpu/v5e-softmax.json", _TPU_ARGS + " --objective softmax --strategies "
+                                "dense_ce,optax,cutce,cutce_pallas --vocab 131072", ""),
+    "tpu-v5e-bce-paper": CpuTable("tpu/v5e-bce-paper.json", _TPU_ARGS + " --strategies cutbce,cutbce_pallas "
+                                  "--vocab 876939", ""),
+    "tpu-v5e-softmax-paper": CpuTable("tpu/v5e-softmax-paper.json", _TPU_ARGS + " --objective softmax "
+                                      "--strategies cutce,cutce_pallas --vocab 876939", ""),
 }
 
 

@@ -246,10 +246,20 @@ def format_topology(topology: str, rows, objective: str = "bce", notes=()) -> st
     return "\n".join(lines)
 
 
+def _seconds(x: float) -> str:
+    """Seconds to three decimals, or four significant digits below 0.1 s (an accelerator's step)."""
+    return f"{x:.3f}" if x >= 0.1 else f"{x:.4g}"
+
+
 def format_cpu_total(info) -> str:
-    """The closing line of a CPU run: its wall time, cores and versions."""
-    extra = f", tokamax {info['tokamax_version']}" if info.get("tokamax_version") else ""
-    return f"(total {info['total_s']}s on {info['cpu_count']} CPU cores, jax {info['jax_version']}{extra})"
+    """The closing line of a timing run: its wall time, where it ran (CPU cores, or the accelerator)
+    and versions."""
+    extra = f", libtpu {info['libtpu_version']}" if info.get("libtpu_version") else ""
+    extra += f", tokamax {info['tokamax_version']}" if info.get("tokamax_version") else ""
+    device = info.get("devices", "cpu")
+    where = (f"{info['cpu_count']} CPU cores" if device.lower() == "cpu"
+             else f"one {device} ({info['cpu_count']} host CPU cores)")
+    return f"(total {info['total_s']}s on {where}, jax {info['jax_version']}{extra})"
 
 
 def format_cpu(results, info, notes=()) -> str:
@@ -268,7 +278,7 @@ def format_cpu(results, info, notes=()) -> str:
         svd = f"{r['time_vs_dense']:.3f}" if r["time_vs_dense"] is not None else "-"
         lines.append(
             f"| {r['strategy']} | {r['batch']}×{r['seq']} | {r['vocab']:,} | {r['dim']} | {r['temp_mib']:.1f} | "
-            f"{tvd} | {r['median_s']:.3f} | {svd} | {r['gflops_per_s']:.1f} | {100 * r['matmul_fraction']:.0f}% |")
+            f"{tvd} | {_seconds(r['median_s'])} | {svd} | {r['gflops_per_s']:.1f} | {100 * r['matmul_fraction']:.0f}% |")
     if objective.name != "bce":
         lines.append("")
     fused = next((r for r in results if r["strategy"] == "cutbce (fused)"), None)
@@ -295,8 +305,8 @@ def format_cpu(results, info, notes=()) -> str:
         extra = fused["median_s"] - mm["median_s"]
         lines.append(
             f"fused / blocked matmuls alone: {fused['median_s'] / mm['median_s']:.3f}. The difference, "
-            f"{extra:.3f} s, is the loss math: per logit exp(−|x|), log1p, exp(−x), one divide and ~8 "
-            f"cheap ops, {logits / 1e6:.1f} M logits, {1e9 * extra / logits:.2f} ns per logit.")
+            f"{_seconds(extra)} s, is the loss math: per logit exp(−|x|), log1p, exp(−x), one divide and ~8 "
+            f"cheap ops, {logits / 1e6:.1f} M logits, {1e9 * extra / logits:.3g} ns per logit.")
     if objective.name == "softmax":
         lines += _softmax_lines(results, info)
     lines += list(notes)

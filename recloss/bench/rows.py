@@ -278,7 +278,8 @@ def format_cpu(results, info, notes=()) -> str:
         svd = f"{r['time_vs_dense']:.3f}" if r["time_vs_dense"] is not None else "-"
         lines.append(
             f"| {r['strategy']} | {r['batch']}×{r['seq']} | {r['vocab']:,} | {r['dim']} | {r['temp_mib']:.1f} | "
-            f"{tvd} | {_seconds(r['median_s'])} | {svd} | {r['gflops_per_s']:.1f} | {100 * r['matmul_fraction']:.0f}% |")
+            f"{tvd} | {_seconds(r['median_s'])} | {svd} | {r['gflops_per_s']:.1f} | "
+            f"{100 * r['matmul_fraction']:.0f}% |")
     if objective.name != "bce":
         lines.append("")
     fused = next((r for r in results if r["strategy"] == "cutbce (fused)"), None)

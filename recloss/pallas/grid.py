@@ -125,8 +125,9 @@ def _geometry(t: tiling.Tiling, a, e) -> _Geometry:
 def dot_precision(cdt):
     """The `jax.lax.Precision` of the kernel's MXU products for operands of dtype ``cdt``, at trace time.
 
-    Mosaic takes two: DEFAULT (its own choice for the operands' dtype) and HIGHEST (float32); the dot is always given one
-    explicitly, so the ambient ``jax_default_matmul_precision`` never reaches Mosaic unfiltered.
+    Mosaic takes two: DEFAULT (its own choice for the operands' dtype) and HIGHEST (float32); each
+    dot is given one explicitly, so the ambient ``jax_default_matmul_precision`` never reaches Mosaic
+    unfiltered.
     16-bit operands: DEFAULT (their products are exact in the float32 accumulator, and Mosaic refuses
     float32 contract precision on bfloat16 operands: "Bad lhs type"). float32 operands: the ambient
     precision, with 'high' (tensorfloat32) taken up to HIGHEST (Mosaic in jax 0.10.2 has no HIGH:
@@ -140,7 +141,8 @@ def dot_precision(cdt):
     try:
         return default if jax.lax.Precision(value) == default else highest
     except ValueError:      # a lax.DotAlgorithmPreset name
-        one_pass = value.startswith(("BF16_BF16_", "F16_F16_", "ANY_F8_")) and not value.endswith(("_X3", "_X6", "_X9"))
+        one_pass = (value.startswith(("BF16_BF16_", "F16_F16_", "ANY_F8_"))
+                    and not value.endswith(("_X3", "_X6", "_X9")))
         return default if one_pass else highest
 
 
@@ -190,7 +192,8 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
         if step.live is not None:
             gr = jnp.where(step.live, gr, 0.0)
         gc = gr.astype(g.cdt)
-        ref["da"][step.rows, :] += jnp.dot(gc, step.e, precision=g.precision, preferred_element_type=jnp.float32)
+        ref["da"][step.rows, :] += jnp.dot(gc, step.e, precision=g.precision,
+                                           preferred_element_type=jnp.float32)
         acc = ref["de_acc"] if de_scratch else ref["de"]
         acc[...] += jax.lax.dot_general(gc, step.a, (((0,), (0,)), ((), ())), precision=g.precision,
                                         preferred_element_type=jnp.float32)

@@ -243,6 +243,7 @@ def test_logit_soft_cap_costs_one_tanh_per_logit(rng):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="the race detector runs the CPU interpreter")
 def test_detect_races_two_cores(rng):
     pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
     if not hasattr(pltpu, "InterpretParams"):
@@ -313,6 +314,7 @@ def test_gpu_is_rejected_naming_cutbce():
         CutBCEPallas(recloss.LossOptions(), chip="v9")
 
 
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="the warning is for interpret mode off TPU")
 def test_interpret_warning_once(rng, monkeypatch):
     monkeypatch.setattr(pallas_strategy, "_warned", set())
     hidden, table, targets, _, _ = _inputs(rng, (5,), 130, 8, bias=False)

@@ -265,6 +265,7 @@ def test_logit_soft_cap_in_the_kernels_against_the_oracle(rng, chip, block_n):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="the race detector runs the CPU interpreter")
 def test_detect_races_two_cores(rng):
     pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
     if not hasattr(pltpu, "InterpretParams"):
@@ -329,6 +330,7 @@ def test_gpu_is_rejected_naming_cutce():
         recloss.get_strategy("cutce_pallas", pos_weight=2.0)
 
 
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="the warning is for interpret mode off TPU")
 def test_interpret_warning_once_per_strategy(rng, monkeypatch):
     monkeypatch.setattr(pallas_strategy, "_warned", set())
     h = jnp.asarray(rng.normal(size=(5, 8)), jnp.float32)

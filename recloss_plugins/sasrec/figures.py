@@ -73,7 +73,7 @@ RUN_TABLES: Dict[str, RunTable] = {
         "recloss.bench.sampled_bias:format_table"),
     "quality": RunTable(
         "data/quality.json",
-        "make quality QUALITY_ARGS='--sweep learning_rate=1e-3,3e-3,1e-2 --json docs/figures/data/quality.json'",
+        "make quality QUALITY_ARGS='--sweep learning_rate=1e-3,3e-3,1e-2 --hbm --json docs/figures/data/quality.json'",
         "recloss_plugins.sasrec.quality:format_run"),
     "maxtext": RunTable("data/maxtext.json", MAXTEXT_TABLE, "recloss_plugins.maxtext.table:format_table"),
     "maxtext-headline": RunTable("data/maxtext.json", MAXTEXT_TABLE, "recloss_plugins.maxtext.table:format_headline"),

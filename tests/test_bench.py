@@ -5,6 +5,7 @@ agreement between rows and the deterministic compiled memory are.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,10 @@ def test_matmuls_only_ceiling_changes_no_library_code(rng):
     (["--vocab", "-3"], "--vocab must be a positive int, got -3"),
     (["--sampled-bias", "--draws", "1"], "--draws must be >= 2 (a mean over draws), got 1"),
     (["--sampled-bias", "--topology", "v6e-8"], "--sampled-bias runs on this machine with its own rows"),
+    (["--largest-vocab"], "--largest-vocab compiles for a TPU chip: add --topology"),
+    (["--largest-vocab", "--topology", "v6e-8", "--vocab", "1000"], "--largest-vocab finds V itself"),
+    (["--largest-vocab", "--topology", "v6e-8", "--strategies", "optax"],
+     "--largest-vocab compiles recloss strategies, not 'optax'"),
 ])
 def test_bad_arguments_name_the_value(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -263,3 +268,60 @@ def test_sampled_bias_mode_prints_writes_and_draws(tmp_path, capsys):
     at = {(r["proposal"], r["hits_removed"], r["num_negatives"]): r for r in data["rows"]}
     for proposal in ("uniform", "counts"):
         assert at[(proposal, False, 1024)]["cos_dE"] > at[(proposal, True, 1024)]["cos_dE"], at
+
+
+class _FakeCompiled:
+    """What `largest_vocab` reads of a compiled program: memory_analysis, with a table-sized cost."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def memory_analysis(self):
+        import types
+        return types.SimpleNamespace(argument_size_in_bytes=1000 * self.v, output_size_in_bytes=1000 * self.v,
+                                     temp_size_in_bytes=7, alias_size_in_bytes=0)
+
+
+@pytest.mark.parametrize("where", ["above the start", "below the start"])
+def test_largest_vocab_brackets_the_refusal_to_the_tolerance(where, rng, monkeypatch):
+    """The bisection, against a compiler that refuses every V past a drawn threshold."""
+    from recloss.bench import topology
+
+    lo = topology.LARGEST_VOCAB_START
+    threshold = int(rng.integers(lo + 1, 300 * lo)) if where == "above the start" else int(rng.integers(128, lo))
+    calls = []
+
+    def compile_loss_grad(strategy, topo, shape, compiler_options):
+        calls.append(shape.V)
+        assert strategy == "cutbce" and topo == "v5e-8" and shape.D == 64 and shape.V > 0
+        if shape.V > threshold:
+            raise RuntimeError(f"RESOURCE_EXHAUSTED: Ran out of memory on HBM ({shape.V} rows)")
+        module = Path(compiler_options["xla_dump_to"]) / "module_0001.jit_f.after_optimizations"
+        Path(f"{module}-live-range.txt").write_text("HloLiveRange (max 1)\n")
+        Path(f"{module}-memory-usage-report.txt").write_text(
+            f"Memory Space: default (color=0)\nTotal bytes: {1500 * shape.V} (x GiB)\n\n"
+            f"Memory Space: vmem (color=1)\nTotal bytes: 99\n")
+        return _FakeCompiled(shape.V)
+
+    monkeypatch.setattr(topology, "compile_loss_grad", compile_loss_grad)
+    row = topology.largest_vocab("cutbce", "v5e-8", topology.Shape(2, 8, 64, 0), tolerance=0.01)
+    print(f"threshold {threshold}: {row}")
+    assert row["fits"] <= threshold < row["refused"]
+    assert row["refused"] - row["fits"] <= max(128, 0.01 * row["fits"])
+    assert row["fits"] % 128 == 0 and row["hbm_bytes"] == 2000 * row["fits"] + 7
+    assert row["xla_hbm_bytes"] == 1500 * row["fits"]      # the dump's default memory space, not VMEM
+    assert f"{row['fits']:,}" in topology.format_largest_vocab([row])
+    assert row["compiles"] == len(calls) <= 40 and (row["B"], row["N"], row["D"]) == (2, 8, 64)
+
+
+def test_largest_vocab_raises_what_is_not_out_of_memory(monkeypatch):
+    from recloss.bench import topology
+
+    def compile_loss_grad(strategy, topo, shape, compiler_options):
+        raise ValueError("Mosaic failed to compile the kernel")
+
+    monkeypatch.setattr(topology, "compile_loss_grad", compile_loss_grad)
+    with pytest.raises(ValueError, match="Mosaic failed"):
+        topology.largest_vocab("cutbce", "v5e-8", topology.Shape(2, 8, 64, 0))
+    with pytest.raises(ValueError, match="tolerance must be in"):
+        topology.largest_vocab("cutbce", "v5e-8", topology.Shape(2, 8, 64, 0), tolerance=0)

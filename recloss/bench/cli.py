@@ -245,6 +245,11 @@ def _parser() -> argparse.ArgumentParser:
                              "DIR/jax-<jax>_libtpu-<libtpu>.json (a row of the same topology, objective, "
                              "strategy and shape is replaced); the README's TPU tables are rendered from "
                              "docs/figures/hbm by `python -m recloss.bench.figures`")
+    parser.add_argument("--largest-vocab", action="store_true",
+                        help="with --topology: per strategy, the largest V whose loss+grad compiles for one chip "
+                             "at --batch/--seq/--dim/--labels (default the paper's 8, 256, 256, 8; float32), by "
+                             "doubling then bisection (about 15 compiles a strategy; recloss.bench.topology."
+                             "largest_vocab)")
     parser.add_argument("--sampled-bias", action="store_true",
                         help="instead of timing: sampled_softmax's gradient, averaged over --draws draws, against "
                              "the exact softmax gradient by K (uniform and counts negatives, accidental hits kept "
@@ -364,7 +369,9 @@ def main(argv=None):
     objective = OBJECTIVES[args.objective]
     strategies, explicit = _strategies(parser, args, objective)
     shape = _cpu_shape(parser, args)
-    if args.topology:
+    if args.largest_vocab:
+        payload = _largest_vocab(parser, args, objective, strategies, explicit)
+    elif args.topology:
         payload = _topology_payload(parser, args, objective, strategies, explicit)
     else:
         payload = _cpu_payload(args, objective, strategies, shape)
@@ -373,6 +380,38 @@ def main(argv=None):
             json.dump(payload, fh, indent=2)
         _log(f"[bench] wrote {args.json}")
     return 0
+
+
+# --largest-vocab's shape when --batch/--seq/--dim/--labels are not given: the paper's Table III loss.
+LARGEST_VOCAB_SHAPE = dict(batch=8, seq=256, dim=256, labels=8)
+
+
+def _largest_vocab(parser, args, objective, strategies, explicit) -> dict:
+    """--largest-vocab: `topology.largest_vocab` per strategy, printed as one table."""
+    import recloss
+    from recloss.bench import topology
+
+    if not args.topology:
+        parser.error("--largest-vocab compiles for a TPU chip: add --topology (e.g. v6e-8)")
+    if args.record is not None or args.vocab is not None:
+        parser.error("--largest-vocab finds V itself and records nothing: drop --vocab and --record")
+    if not explicit:
+        registered = recloss.available_strategies()
+        strategies = [s for s in objective.topology_strategies if s in registered]
+    bad = [s for s in strategies if s == OPTAX or is_peer(s)]
+    if bad:
+        parser.error(f"--largest-vocab compiles recloss strategies, not {bad[0]!r}; "
+                     f"its strategies: {', '.join(recloss.available_strategies(objective.name))}")
+    dims = {k: default if getattr(args, k) is None else getattr(args, k)   # positive: `_cpu_shape` checked
+            for k, default in LARGEST_VOCAB_SHAPE.items()}
+    topology.chip_devices(args.topology)     # an unknown topology fails here, by name
+    shape = topology.Shape(dims["batch"], dims["seq"], dims["dim"], 0, dims["labels"])
+    rows = []
+    for i, s in enumerate(strategies, 1):
+        _log(f"[bench] {args.topology}: largest V for {s} ({i}/{len(strategies)}) ...")
+        rows.append(topology.largest_vocab(s, args.topology, shape, log=_log))
+    print(topology.format_largest_vocab(rows))
+    return dict(topology=args.topology, objective=objective.name, largest_vocab=rows)
 
 
 def _sampled_bias(parser, args) -> int:

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 import time
 from typing import Iterable, NamedTuple, Optional, Sequence
+
+from recloss.bench import buffers
 
 
 def libtpu_aot_env() -> None:
@@ -95,7 +98,7 @@ def one_chip_mesh(topology: str):
 
 
 def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: bool = False,
-                      **options):
+                      compiler_options: Optional[dict] = None, **options):
     """``jit(value_and_grad(Σ loss, (hidden, table[, bias])))`` compiled for one chip of ``topology``.
 
     The strategy's entry point (bce_loss or softmax_loss) is taken from its objective; the sum
@@ -128,7 +131,8 @@ def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: 
 
     argnums = (0, 1, 3) if with_bias else (0, 1)
     with jax.set_mesh(mesh):
-        return jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(*args).compile()
+        return jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(*args).compile(
+            compiler_options=compiler_options)
 
 
 def compile_peer_loss_grad(name: str, topology: str, shape: Shape):
@@ -165,6 +169,90 @@ def flops_of(compiled) -> Optional[float]:
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
     return None if not cost or "flops" not in cost else float(cost["flops"])
+
+
+# Where `largest_vocab` starts doubling, and where it gives up (rows of the table).
+LARGEST_VOCAB_START = 1 << 14
+LARGEST_VOCAB_CAP = 1 << 34
+
+
+def largest_vocab(strategy: str, topology: str, shape: Shape, *, tolerance: float = 0.005,
+                  log=None) -> dict:
+    """The largest V (a multiple of 128) whose loss+grad at ``shape`` (its V ignored) compiles for one
+    chip of ``topology``: V doubles from `LARGEST_VOCAB_START` until the compiler refuses it for HBM,
+    then bisects to within ``tolerance``·V.
+
+    The TPU compiler refuses a program when XLA's own count of HBM (arguments, outputs and the
+    temporaries its buffer assignment reserves: `recloss.bench.buffers.hbm_bytes`) passes the chip's;
+    on a v5e chip, compiling there refused at the same V as this compile on a CPU host, and every
+    program that compiled ran (docs/kernels.md). `memory_analysis` can count more.
+
+    Returns dict(topology, strategy, B, N, D, L, dtype, fits: the largest V that compiled (None when
+    none did), hbm_bytes: per-chip memory_analysis total there, xla_hbm_bytes: XLA's count there,
+    refused: the smallest V refused, compiles, compile_s). A compile error that is not out-of-HBM
+    is raised.
+    """
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance!r}")
+    say = log or (lambda msg: None)
+    start, compiles, hbm = time.perf_counter(), 0, {}
+
+    def fits(v: int) -> bool:
+        nonlocal compiles
+        compiles += 1
+        with tempfile.TemporaryDirectory(prefix="recloss-largest-") as dump:
+            try:
+                compiled = compile_loss_grad(strategy, topology, shape._replace(V=v),
+                                             compiler_options=buffers.dump_options(dump))
+            except Exception as err:
+                if not is_oom(err):
+                    raise
+                say(f"[bench] {strategy} V={v:,}: out of HBM")
+                return False
+            ma = compiled.memory_analysis()
+            hbm[v] = (int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                          - ma.alias_size_in_bytes), buffers.hbm_bytes(dump))
+        say(f"[bench] {strategy} V={v:,}: {hbm[v][1] / 2**30:.2f} GiB per chip by XLA's count, "
+            f"{hbm[v][0] / 2**30:.2f} by memory_analysis")
+        return True
+
+    lo, hi = 0, LARGEST_VOCAB_START
+    while hi <= LARGEST_VOCAB_CAP and fits(hi):
+        lo, hi = hi, 2 * hi
+    if hi > LARGEST_VOCAB_CAP:
+        raise ValueError(f"{strategy} compiled at V={lo:,} on one {topology} chip; no refusal below "
+                         f"{LARGEST_VOCAB_CAP:,} rows")
+    while hi - lo > max(128, tolerance * lo):
+        mid = (lo + hi) // 2 // 128 * 128
+        if mid <= lo:
+            break
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return dict(topology=topology, strategy=strategy, B=shape.B, N=shape.N, D=shape.D, L=shape.L,
+                dtype=shape.dtype, fits=lo or None, hbm_bytes=hbm.get(lo, (None,))[0],
+                xla_hbm_bytes=hbm.get(lo, (None, None))[1], refused=hi, compiles=compiles,
+                compile_s=round(time.perf_counter() - start, 1))
+
+
+def format_largest_vocab(rows) -> str:
+    """`largest_vocab` rows as a table: the largest catalogue per chip, and its ratio to the first row."""
+    if not rows:
+        return "(no rows)"
+    r0 = rows[0]
+    head = (f"largest V whose loss+grad compiles for one {r0['topology']} chip: B={r0['B']} N={r0['N']} "
+            f"D={r0['D']} L={r0['L']} {r0['dtype']}; per-chip HBM there by XLA's count (what the compiler "
+            f"holds against the chip) and by memory_analysis")
+    lines = [head, f"  {'strategy':<16} {'largest V':>12} {'XLA HBM':>10} {'mem_analysis':>12} {'refused at':>12} "
+                   f"{'÷ ' + r0['strategy']:>16} {'compiles':>9}"]
+    gib = lambda b: "" if b is None or b < 0 else f"{b / 2**30:.2f} GiB"
+    for r in rows:
+        ratio = "" if not (r["fits"] and r0["fits"]) else f"{r['fits'] / r0['fits']:.2f}x"
+        fits = "none" if r["fits"] is None else f"{r['fits']:,}"
+        lines.append(f"  {r['strategy']:<16} {fits:>12} {gib(r['xla_hbm_bytes']):>10} {gib(r['hbm_bytes']):>12} "
+                     f"{r['refused']:>12,} {ratio:>16} {r['compiles']:>4} ({r['compile_s']:.0f}s)")
+    return "\n".join(lines)
 
 
 def topology_rows(topology: str, strategies: Iterable[str] = ("dense_bce", "cutbce", "cutbce_pallas"),

@@ -25,18 +25,6 @@ from recloss.bce.bernoulli import background_coefficients, bernoulli_parts
 _MODES = {"loss": (True, False), "fused": (True, True), "grad": (False, True)}   # (want_loss, want_grad)
 
 
-def _fence(e_j):
-    """e_j (an f32 table block) unchanged, through a uint32 view behind an optimization barrier.
-
-    TPU matmuls at default precision convert f32 operands to bf16; XLA's bf16 propagation moves
-    that convert back through the block's dynamic slice and the loop onto the whole table (a
-    bf16 [V_local, D] copy in temporaries on libtpu 0.0.50, which no longer shares it with the
-    output). An integer view cannot become bf16, so the convert stays per block, in the loop.
-    """
-    u = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(e_j, jnp.uint32))
-    return jax.lax.bitcast_convert_type(u, jnp.float32)
-
-
 def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *,
           parts=bernoulli_parts) -> sweep_lib.SweepOut:
     """One blocked pass over vocab blocks for rows a [M, D] in ``mode`` ('loss', 'fused', 'grad'):
@@ -57,8 +45,7 @@ def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *,
 
     def tile(a_s, rows_s, e_j, b_j, live, col0):
         """Loss/count row sums, dA rows, dE_j and db_j contributions of one [rows, bv] logit tile."""
-        if e_j.dtype == jnp.float32:   # exact bit round trip: see _fence
-            e_j = _fence(e_j)
+        e_j = sweep_lib.fence(e_j)     # an exact bit round trip: no bf16 copy of the whole table
         x = jnp.dot(a_s, e_j.T, preferred_element_type=jnp.float32)
         if b_j is not None:
             x = x + b_j.astype(jnp.float32)[None, :]

@@ -34,6 +34,7 @@ def lse_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_li
     argmax = p.opts.compute_metrics
 
     def tile(a_s, rows_s, e_j, b_j, live, col0):
+        e_j = sweep_lib.fence(e_j)     # an exact bit round trip: no bf16 copy of the whole table
         xm = partition.masked(_logits(a_s, e_j, b_j, inv_t, p.opts.logit_soft_cap)[0], live)
         m, s = partition.tile_lse(xm, live)
         out = {"m": m, "s": s}
@@ -69,6 +70,7 @@ def grad_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_l
     cdt = jnp.promote_types(a.dtype, e.dtype)
 
     def tile(a_s, rows_s, e_j, b_j, live, col0):
+        e_j = sweep_lib.fence(e_j)
         x, slope = _logits(a_s, e_j, b_j, inv_t, p.opts.logit_soft_cap, grad=True)
         g = jnp.exp(x - rows_s["lse"][:, None]) * (rows_s["r"] * inv_t)[:, None]
         if slope is not None:

@@ -183,9 +183,9 @@ def fence(e_j):
 
     TPU matmuls at default precision convert f32 operands to bf16; XLA's bf16 propagation moves
     that convert back through the block's dynamic slice and the loop onto the whole table: a bf16
-    [V_local, D] copy in temporaries (libtpu 0.0.50 for `cutbce`; libtpu 0.0.42 too for `cutce`,
-    3.1 GiB at V = 6.6 M, D = 256 on v5e). An integer view cannot become bf16, so the convert
-    stays per block, in the loop. Tile functions call it on their block before any product.
+    [V_local, D] copy in temporaries (512 MiB for either blocked strategy at V = 2^20, D = 256 on
+    v5e with libtpu 0.0.42.1; tests/test_tpu_aot.py). An integer view cannot become bf16, so the
+    convert stays per block, in the loop. Tile functions call it on their block before any product.
     """
     if e_j.dtype != jnp.float32:
         return e_j

@@ -197,6 +197,21 @@ def test_cutce_pallas_small_odd_shape_all_options():
     assert len(_kernel_names(compiled)) == 2
 
 
+@pytest.mark.parametrize("strategy", ["cutbce", "cutce"])
+def test_blocked_strategies_hold_no_bf16_copy_of_a_float32_table(strategy):
+    """At default precision TPU matmuls take bf16 operands, and XLA hoisted that convert out of the
+    blocked loop onto the whole f32 table (cutce: 512 MiB of temporaries here) until each block went
+    through `recloss.sweep.fence`. The table and dE are arguments and outputs; the temporaries must
+    stay well below one bf16 table."""
+    shape = topology.Shape(8, 256, 256, 1 << 20)
+    compiled = topology.compile_loss_grad(strategy, "v5e-8", shape)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    bf16_table = shape.V * shape.D * 2
+    print(f"\n{strategy} v5e-8 {tuple(shape[:4])}: temporaries {temp / 2**20:.1f} MiB "
+          f"(a bf16 table is {bf16_table / 2**20:.0f} MiB)")
+    assert temp < bf16_table / 8
+
+
 # ----------------------------------------------------------------------------- dtypes and precision
 @pytest.mark.parametrize("precision", [None, "high", "highest"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -230,10 +230,10 @@ def largest_vocab(strategy: str, topology: str, shape: Shape, *, tolerance: floa
             lo = mid
         else:
             hi = mid
+    ma_bytes, xla_bytes = hbm.get(lo, (None, None))
     return dict(topology=topology, strategy=strategy, B=shape.B, N=shape.N, D=shape.D, L=shape.L,
-                dtype=shape.dtype, fits=lo or None, hbm_bytes=hbm.get(lo, (None,))[0],
-                xla_hbm_bytes=hbm.get(lo, (None, None))[1], refused=hi, compiles=compiles,
-                compile_s=round(time.perf_counter() - start, 1))
+                dtype=shape.dtype, fits=lo or None, hbm_bytes=ma_bytes, xla_hbm_bytes=xla_bytes, refused=hi,
+                compiles=compiles, compile_s=round(time.perf_counter() - start, 1))
 
 
 def format_largest_vocab(rows) -> str:

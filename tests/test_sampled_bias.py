@@ -37,8 +37,12 @@ def test_the_estimator_converges_as_k_grows(rng, seed):
         assert big[f"cos_{g}"] > 0.99, big
         assert small[f"cos_{g}"] < big[f"cos_{g}"] and mid[f"cos_{g}"] < big[f"cos_{g}"], rows
         assert abs(big[f"norm_{g}"] - 1.0) < 0.05, big
-    # The loss, less its target-correction offset, approaches the exact one (Jensen's gap of log Ẑ).
-    assert abs(big["loss_gap"]) < 0.02 and abs(big["loss_gap"]) < abs(small["loss_gap"]), rows
+    # The loss, less its target-correction offset, approaches the exact one (Jensen's gap of log Ẑ): at
+    # K = 16·V what is left is the mean's noise (within 3.4 standard errors over 40 seeds). At small K the
+    # gap's sign varies, so |gap| can come out near 0 there: the spread of the draws is what shrinks.
+    se = big["loss_std"] / math.sqrt(big["draws"])
+    assert abs(big["loss_gap"]) < 0.002 + 6 * se, (big, se)
+    assert small["loss_std"] > 2 * big["loss_std"], rows
     assert all(r["exact_loss"] == rows[0]["exact_loss"] > 0 for r in rows)
 
 

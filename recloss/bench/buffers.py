@@ -172,7 +172,7 @@ def read(folder: str) -> Peak:
     temp_bytes, places = _assignment(live_range)
     out = _merge_aliases(out, places)
     out.sort(key=lambda b: -b.size)
-    return Peak(out, sum(b.size for b in out), step, steps, temp_bytes, hbm_bytes(folder))
+    return Peak(out, sum(b.size for b in out), step, steps, temp_bytes, _default_space_bytes(live_range))
 
 
 _DEFAULT_SPACE = re.compile(r"^Memory Space: default \(color=0\)\s*\nTotal bytes: (\d+)", re.M)
@@ -188,7 +188,11 @@ def hbm_bytes(folder: str) -> int:
     are reserved: loss+grad of dense_bce at B=8, N=256, D=256, V=913,408 is 22.65 GiB by
     memory_analysis and 15.68 here, and it compiled and ran on a 15.75 GiB v5e chip.
     """
-    live_range, _ = _module_files(folder)
+    return _default_space_bytes(_module_files(folder)[0])
+
+
+def _default_space_bytes(live_range: str) -> int:
+    """`hbm_bytes` from the memory-usage report beside ``live_range``."""
     path = live_range[: -len("-live-range.txt")] + "-memory-usage-report.txt"
     if not os.path.exists(path):
         return -1

@@ -209,9 +209,7 @@ def largest_vocab(strategy: str, topology: str, shape: Shape, *, tolerance: floa
                     raise
                 say(f"[bench] {strategy} V={v:,}: out of HBM")
                 return False
-            ma = compiled.memory_analysis()
-            hbm[v] = (int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                          - ma.alias_size_in_bytes), buffers.hbm_bytes(dump))
+            hbm[v] = (int(buffers.memory_report(compiled)["total"]), buffers.hbm_bytes(dump))
         say(f"[bench] {strategy} V={v:,}: {hbm[v][1] / 2**30:.2f} GiB per chip by XLA's count, "
             f"{hbm[v][0] / 2**30:.2f} by memory_analysis")
         return True

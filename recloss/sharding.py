@@ -28,6 +28,16 @@ fsdp axis with `recloss.ring` (ppermute of the slices, their dE travelling
 with them), so dE comes back already summed over fsdp and in storage layout;
 only the data-axis psum of shard_map's autodiff remains.
 
+With ``MeshLayout(fsdp_gather='rows')`` the table does not move at all: the
+rows of the fsdp group (hidden, targets, weights: [|fsdp|·M_chip, ·]) are
+all-gathered instead, and each chip computes its own [V/(|vocab|·|fsdp|), D]
+slice's part for all of them, as a vocab shard would (the fsdp axis joins the
+vocab axis in the per-row sums and leaves the batch sums). dE is the chip's
+own slice's, written once; dA comes back through the gather's transpose, a
+reduce-scatter of [|fsdp|·M_chip, D]. It moves |fsdp|·M_chip·D numbers where
+the table moves V/|vocab|·D: the cheaper choice whenever the fsdp group's
+rows are fewer than the vocab shard's.
+
 Meshes: with Explicit axes (`jax.make_mesh`'s default in current JAX) an array's sharding is
 part of its type and shard_map requires each input's to equal its in_spec; with Auto axes
 (`jax.sharding.Mesh(devices, names)`) shard_map reshards what it is given. `mapped` lays out every
@@ -90,9 +100,13 @@ class MeshLayout:
         back; each chip holds the vocab shard's whole [V/|vocab|, D] and its dE.
         'ring': the slices travel round the axis with `ppermute` and their dE
         with them (`recloss.ring`): no all-gather or reduce-scatter, at most two
-        slices live. With no fsdp axis (None or size 1) 'ring' is allowed and
-        changes nothing. Only the blocked strategies (cutbce, cutbce_pallas,
-        cutce, cutce_pallas) take 'ring'; the dense ones need 'once'.
+        slices live. 'rows': the slices stay home and the fsdp group's rows
+        (hidden, targets, weights) are all-gathered instead; each chip sweeps
+        its own slice for all of them and holds one slice-sized dE (moves
+        |fsdp|·M_chip·D numbers, not the table). With no fsdp axis (None or
+        size 1) 'ring' and 'rows' are allowed and change nothing. Only the
+        blocked strategies (cutbce, cutbce_pallas, cutce, cutce_pallas) take
+        'ring' and 'rows'; the dense ones need 'once'.
       manual: the loss is called inside the caller's own ``jax.shard_map`` over
         ``batch_axes`` (a data-parallel train step written by hand): hidden,
         targets and weights are this device's rows, the table and bias whole
@@ -131,7 +145,7 @@ class MeshLayout:
         if not isinstance(self.fsdp_gather, str) or self.fsdp_gather not in ring_lib.GATHERS:
             raise ValueError(f"MeshLayout.fsdp_gather={self.fsdp_gather!r} is not one of "
                              f"{ring_lib.GATHERS} ('once': all-gather the table slices once; "
-                             f"'ring': pass them round the fsdp axis)")
+                             f"'ring': pass them round the fsdp axis; 'rows': all-gather the rows instead)")
         if self.fsdp_axis is not None and self.fsdp_axis not in self.batch_axes:
             raise ValueError(f"MeshLayout.fsdp_axis={self.fsdp_axis!r} must also be one of batch_axes="
                              f"{self.batch_axes}: FSDP shards split the batch and gather the table")
@@ -303,6 +317,8 @@ def mapped(strategy, hidden, table, targets, w, bias, extras, *, layout: MeshLay
     args = (hidden, table, targets, w, bias, extras)
     in_specs = (specs.hidden, specs.table, specs.targets, specs.weights,
                 None if bias is None else specs.bias, extra_specs)
+    if _gather(layout) == "rows":
+        body = _on_group_rows(body, layout.fsdp_axis, in_specs, strategy.options.reduction == "none")
     loss_spec = specs.row_loss if strategy.options.reduction == "none" else specs.loss
     # check_vma=False: strategies keep untyped scan carries (bce/cut.py's zeros
     # init) and pallas_call out_shapes, which check_vma=True rejects. Gradients
@@ -315,36 +331,71 @@ def mapped(strategy, hidden, table, targets, w, bias, extras, *, layout: MeshLay
     return fn, place_all(layout, args, in_specs)
 
 
+def _gather(layout: MeshLayout) -> str:
+    """The layout's ``fsdp_gather`` where it does something: 'once' without an fsdp axis of size > 1."""
+    return layout.fsdp_gather if layout.fsdp_shards > 1 else "once"
+
+
 def _shard_builder(strategy, layout: MeshLayout, rows: int, vocab_size: int):
     """``shard_of(e, b) -> VocabShard``, called inside shard_map on the chip's table storage slice:
-    all-gathered over the fsdp axis into the vocab shard (``fsdp_gather='once'``), or kept as the
-    chip's slice of a `RingShard` (``'ring'`` on an fsdp axis of size > 1)."""
+    all-gathered over the fsdp axis into the vocab shard (``fsdp_gather='once'``), kept as the
+    chip's slice of a `RingShard` (``'ring'``), or kept as a vocab shard of its own whose fsdp axis
+    sums the rows' parts with the vocab axis (``'rows'``, the rows gathered by `_on_group_rows`)."""
     v_local = rows // layout.vocab_shards
     vocab_axis, fsdp_axis = layout.vocab_axis, layout.fsdp_axis
+    gather = _gather(layout)
+    if gather != "once" and gather not in strategy.fsdp_gathers:
+        from recloss.registry import available_strategies, get_strategy   # registry imports this module
+        takers = ", ".join(n for n in available_strategies() if gather in get_strategy(n).fsdp_gathers)
+        raise ValueError(f"strategy {strategy.name!r} does not take MeshLayout(fsdp_gather={gather!r}) "
+                         f"(it needs the vocab shard's whole table on each chip); use "
+                         f"fsdp_gather='once', or a blocked strategy: {takers}")
+    live = lambda axes: tuple(a for a in axes if layout.axis_size(a) > 1)
     # Sums over axes of size 1 are skipped: they would still appear as collectives.
-    kw = dict(vocab_size=vocab_size, platform=layout.platform,
-              batch_axes=tuple(a for a in layout.batch_axes if layout.axis_size(a) > 1),
-              vocab_axes=tuple(a for a in (vocab_axis,) if layout.axis_size(a) > 1))
-    ring = None
-    if layout.fsdp_gather == "ring" and layout.fsdp_shards > 1:
-        if "ring" not in strategy.fsdp_gathers:
-            raise ValueError(f"strategy {strategy.name!r} does not take MeshLayout(fsdp_gather='ring') "
-                             f"(it needs the vocab shard's whole table on each chip); use "
-                             f"fsdp_gather='once', or a blocked strategy: cutbce, cutbce_pallas, cutce, "
-                             f"cutce_pallas")
-        ring = ring_lib.Ring(fsdp_axis, layout.fsdp_shards, v_local // layout.fsdp_shards)
+    batch_axes, vocab_axes = live(layout.batch_axes), live((vocab_axis,))
+    if gather == "rows":   # the fsdp group's rows are on every chip of it; its slices split the vocab
+        batch_axes, vocab_axes = tuple(a for a in batch_axes if a != fsdp_axis), vocab_axes + (fsdp_axis,)
+    kw = dict(vocab_size=vocab_size, platform=layout.platform, batch_axes=batch_axes, vocab_axes=vocab_axes)
+    slice_rows = v_local // layout.fsdp_shards
+    ring = ring_lib.Ring(fsdp_axis, layout.fsdp_shards, slice_rows) if gather == "ring" else None
 
     def shard_of(e, b):
-        if fsdp_axis is not None and ring is None:
+        if fsdp_axis is not None and gather == "once":
             e = jax.lax.all_gather(e, fsdp_axis, axis=0, tiled=True)
             if b is not None:
                 b = jax.lax.all_gather(b, fsdp_axis, axis=0, tiled=True)
         offset = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * v_local
         if ring is not None:   # e, b stay this chip's slice; gathers and sweeps walk the ring
             return RingShard(e, b, offset, ring=ring, **kw)
+        if gather == "rows":   # this chip's slice is its own vocab shard
+            offset = offset + jax.lax.axis_index(fsdp_axis) * slice_rows
         return VocabShard(e, b, offset, **kw)
 
     return shard_of
+
+
+def _on_group_rows(body, axis: str, in_specs, per_row: bool):
+    """``body`` (`assemble`'s arguments) run on the rows of ``axis``'s whole group: every row input
+    split over ``axis`` on its leading dim (hidden, targets, weights, per-row extras) is all-gathered
+    first (tiled, in axis order); a per-row loss (``per_row``: reduction='none') is cut back to this
+    chip's rows. The gathers' transposes, reduce-scatters, sum each row's gradient over the group."""
+    def split(spec):
+        head = spec[0] if spec is not None and len(spec) else None
+        return axis == head or (isinstance(head, tuple) and axis in head)
+
+    gather = lambda tree, specs: jax.tree_util.tree_map(
+        lambda x, s: jax.lax.all_gather(x, axis, axis=0, tiled=True) if split(s) else x, tree, specs)
+
+    def run(hidden, table, targets, w, bias, extras):
+        m = hidden.shape[0]
+        rows = gather((hidden, targets, w), (in_specs[0], in_specs[2], in_specs[3]))
+        extras = None if extras is None else gather(extras, in_specs[5])
+        out = body(rows[0], table, rows[1], rows[2], bias, extras)
+        if per_row:
+            out = LossOutput(jax.lax.dynamic_slice_in_dim(out.loss, jax.lax.axis_index(axis) * m, m), out.metrics)
+        return out
+
+    return run
 
 
 def place_all(layout: MeshLayout, arrays, specs):

@@ -156,12 +156,12 @@ class BlockedStrategy(Strategy):
     """A strategy whose dense part is one blocked sweep of the vocabulary (`recloss.sweep`).
 
     ``cut_sweeps`` is its objective's pure-JAX `recloss.sweep.Sweeps`, ``combine`` how two column
-    sets' values merge ('sum' or 'lse'). Runs under either `MeshLayout.fsdp_gather`."""
+    sets' values merge ('sum' or 'lse'). Runs under every `MeshLayout.fsdp_gather`."""
 
     cut_sweeps = None
     combine: str = "sum"
     sparse_term = None      # the objective's `recloss.sweep.Plan.sparse` (BCE: its correction)
-    fsdp_gathers = ("once", "ring")
+    fsdp_gathers = ("once", "ring", "rows")
 
     def plan(self, m: int, shard: VocabShard) -> sweep.Plan:
         """The static plan of the sweep for M rows on ``shard``, as the shard runs it

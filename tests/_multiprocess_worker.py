@@ -217,9 +217,10 @@ def sharded_loss(seed: int, out):
     assert jax.local_device_count() == 4 and jax.device_count() == 8, jax.devices()
     host = make_inputs(seed)
     results = {}
-    # 'once' on (data, fsdp, vocab); 'ring' with fsdp as the leading mesh axis, so the
-    # ring's ppermutes cross the process boundary (each process holds one fsdp index).
-    for prefix, axes, gather in (("", AXES, "once"), ("ring_", RING_AXES, "ring")):
+    # 'once' on (data, fsdp, vocab); 'ring' and 'rows' with fsdp as the leading mesh axis, so the
+    # ring's ppermutes and the rows' all-gather cross the process boundary (each process holds one
+    # fsdp index).
+    for prefix, axes, gather in (("", AXES, "once"), ("ring_", RING_AXES, "ring"), ("rows_", RING_AXES, "rows")):
         mesh = Mesh(np.array(jax.devices()).reshape(MESH_SHAPE), axes)
         layout = recloss.MeshLayout(mesh, fsdp_gather=gather)
         specs = recloss.get_strategy("cutbce").partition_specs(layout)

@@ -94,8 +94,9 @@ def test_loss_settings_map_config_keys():
     (dict(loss="cutce", label_smoothing=0.1, logit_soft_cap=30.0),
      r"'cutce' .*label_smoothing=0.1 together with logit_soft_cap=30.0"),
     (dict(loss_vocab_axis="tensor"), r"need loss_batch_axes"),
-    (dict(loss_fsdp_gather="rings"), r"loss_fsdp_gather='rings': expected one of 'once', 'ring'"),
+    (dict(loss_fsdp_gather="rings"), r"loss_fsdp_gather='rings': expected one of 'once', 'ring', 'rows'"),
     (dict(loss_fsdp_gather="ring"), r"loss_fsdp_gather='ring' .*loss_fsdp_axis, which is not set"),
+    (dict(loss_fsdp_gather="rows"), r"loss_fsdp_gather='rows' gathers the tokens over loss_fsdp_axis, which is not set"),
     (dict(loss="dense_ce", loss_fsdp_gather="ring", loss_batch_axes=["fsdp"], loss_fsdp_axis="fsdp"),
      r"loss_fsdp_gather='ring': strategy 'dense_ce' does not take it.*'cutce_pallas'"),
 ])
@@ -345,8 +346,13 @@ def test_loss_from_hidden_with_mesh_layout(rng):
     program = str(jax.make_jaxpr(lambda h: rm.loss_from_hidden(h, table, data, cfg, mesh=mesh)[0])(hidden))
     assert "shard_map" in program and "ppermute" not in program
     assert "ppermute" in str(jax.make_jaxpr(lambda h: rm.loss_from_hidden(h, table, data, ring, mesh=mesh)[0])(hidden))
+    rows = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor",
+                   loss_fsdp_gather="rows")
+    assert rm.layout_for(rows, mesh).fsdp_gather == "rows"
+    program = str(jax.make_jaxpr(lambda h: rm.loss_from_hidden(h, table, data, rows, mesh=mesh)[0])(hidden))
+    assert "all_gather" in program and "ppermute" not in program
     want = rm.loss_from_hidden(hidden, table, data, _config())[0]
-    for c in (cfg, ring):
+    for c in (cfg, ring, rows):
         got = jax.jit(lambda h: rm.loss_from_hidden(h, table, data, c, mesh=mesh)[0])(hidden)
         np.testing.assert_allclose(got, want, rtol=1e-5)
     with pytest.raises(ValueError, match="no mesh was given"):

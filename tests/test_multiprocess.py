@@ -45,9 +45,9 @@ def test_two_processes_match_one_process(two_process_run):
     (loss, mets), grads = loss_and_grads(inputs, recloss.MeshLayout(mesh))
     (loss0, mets0), grads0 = loss_and_grads(inputs, None)
 
-    # "ring_": MeshLayout(fsdp_gather='ring') with the fsdp axis across the two processes.
+    # "ring_" / "rows_": MeshLayout(fsdp_gather='ring' / 'rows') with the fsdp axis across the two processes.
     for p, ref_loss, ref_mets, ref_grads in (("", loss, mets, grads), ("", loss0, mets0, grads0),
-                                             ("ring_", loss0, mets0, grads0)):
+                                             ("ring_", loss0, mets0, grads0), ("rows_", loss0, mets0, grads0)):
         assert _rel(got[p + "loss"], ref_loss) <= 1e-5, (p, float(got[p + "loss"]), float(ref_loss))
         for k, v in ref_mets.items():
             assert _rel(got[p + k], v) <= 1e-5, (p, k, float(got[p + k]), float(v))

@@ -1,10 +1,12 @@
-"""MeshLayout(fsdp_gather='ring'): table slices travel round the fsdp axis (recloss.ring).
+"""MeshLayout(fsdp_gather='ring'): table slices travel round the fsdp axis (recloss.ring), and
+fsdp_gather='rows': the slices stay home and the fsdp group's rows are gathered instead.
 
-Criterion: the ring's loss, metrics and gradients equal the single-device run
+Criterion: the ring's and the rows gather's loss, metrics and gradients equal the single-device run
 on the same inputs (tests/test_sharding.py holds 'once' to the same reference) (relative error ≤ 1e-5 loss and
 metrics, ≤ 1e-4 gradients), and the single-device cutbce equals the float64
-oracle; the compiled program has no all-gather / reduce-scatter of the table,
-collective-permutes inside a while loop, and far less temporary memory.
+oracle; the ring's compiled program has no all-gather / reduce-scatter of the table,
+collective-permutes inside a while loop, and far less temporary memory; the rows gather's moves no
+table-sized array at all and holds less than the ring.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ RING_MESHES = [(1, 8, 1), (2, 4, 1), (1, 4, 2)]
 V, ROWS = 997, 1008
 
 
-def _ring_matches(objective, strategy, inputs, meshes, cot=None, **opts):
-    """The ring on each mesh against one single-device reference (test_sharding checks 'once' against
-    the same reference, so ring = once = single device). Returns the last mesh's (loss, metrics, grads)."""
+def _ring_matches(objective, strategy, inputs, meshes, cot=None, gather="ring", **opts):
+    """``gather`` ('ring' or 'rows') on each mesh against one single-device reference (test_sharding
+    checks 'once' against the same reference, so ring = rows = once = single device). Returns the last
+    mesh's (loss, metrics, grads)."""
     ref_loss, ref_m, ref_g = loss_and_grads(strategy, inputs, None, cot, **opts)
     for shape in meshes:
-        loss, mets, grads = loss_and_grads(strategy, inputs, make_layout(shape, fsdp_gather="ring"), cot, **opts)
+        loss, mets, grads = loss_and_grads(strategy, inputs, make_layout(shape, fsdp_gather=gather), cot, **opts)
         assert loss.shape == ref_loss.shape and rel(loss, ref_loss) <= 1e-5, (shape, loss, ref_loss)
         assert set(mets) == set(ref_m)
         for k in ref_m:
@@ -49,12 +52,13 @@ def _ring_matches(objective, strategy, inputs, meshes, cot=None, **opts):
     return loss, mets, grads
 
 
-def test_cutbce_ring_equals_single_device(rng):
+@pytest.mark.parametrize("gather", ["ring", "rows"])
+def test_cutbce_ring_equals_single_device(gather, rng):
     """Every BCE option, bias, padding rows, on (1,8,1), (2,4,1), (1,4,2) (reduction='none', the
     recompute ring, is the softmax test's); the last mesh also against the float64 oracle."""
     inputs = make_inputs(rng, V=V, rows=ROWS)
     opts = dict(BCE_OPTIONS, vocab_size=V)
-    loss, mets, grads = _ring_matches("bce", "cutbce", inputs, RING_MESHES, reduction="mean", **opts)
+    loss, mets, grads = _ring_matches("bce", "cutbce", inputs, RING_MESHES, gather=gather, reduction="mean", **opts)
     # ... and the reference is itself exact: the float64 oracle.
     ref = bce_oracle(inputs["hidden"], inputs["table"], inputs["targets"], inputs["weights"], inputs["bias"],
                      reduction="mean", **opts)
@@ -67,41 +71,54 @@ def test_cutbce_ring_equals_single_device(rng):
 
 
 def test_cutbce_ring_bf16_and_large_logits_no_bias(rng):
-    """bf16 hidden/table with logits near ±1e4, no bias, 'sum': ring equals once exactly in the math."""
+    """bf16 hidden/table with logits near ±1e4, no bias, 'sum': ring and rows equal once exactly in the math."""
     inputs = make_inputs(rng, V=V, rows=ROWS, bias=False)
     inputs["hidden"] = (inputs["hidden"] * 300.0).astype(jnp.bfloat16)
     inputs["table"] = (inputs["table"] * 30.0).astype(jnp.bfloat16)
     out = {}
-    for gather in ("once", "ring"):
+    for gather in ("once", "ring", "rows"):
         layout = make_layout((2, 4, 1), fsdp_gather=gather)
         out[gather] = loss_and_grads("cutbce", inputs, layout, reduction="sum", vocab_reduction="sum",
                                         block_v=64, vocab_size=V)
     logits = np.asarray(inputs["hidden"], np.float32).reshape(-1, 16) @ np.asarray(inputs["table"], np.float32).T
     assert np.abs(logits).max() > 5e3
-    assert np.isfinite(float(out["ring"][0]))
-    assert rel(out["ring"][0], out["once"][0]) <= 1e-5
-    for a, b in zip(out["ring"][2], out["once"][2]):
-        assert a.dtype == jnp.bfloat16 and rel(a, b) <= 2e-2
+    for gather in ("ring", "rows"):
+        assert np.isfinite(float(out[gather][0]))
+        assert rel(out[gather][0], out["once"][0]) <= 1e-5, gather
+        for a, b in zip(out[gather][2], out["once"][2]):
+            assert a.dtype == jnp.bfloat16 and rel(a, b) <= 2e-2, gather
 
 
-def test_cutce_ring_equals_single_device(rng):
-    """Softmax (label smoothing, z-loss, temperature): two rings (Z, then the dE recompute)."""
+@pytest.mark.parametrize("gather", ["ring", "rows"])
+def test_cutce_ring_equals_single_device(gather, rng):
+    """Softmax (label smoothing, z-loss, temperature): two rings (Z, then the dE recompute), or the
+    gathered rows; reduction='none' with a random cotangent (the rows gather cuts each chip's rows back)."""
     inputs = make_inputs(rng, V=V, rows=ROWS)
     opts = dict(SOFTMAX_OPTIONS, block_v=40, vocab_size=V)
-    _, mets, grads = _ring_matches("softmax", "cutce", inputs, RING_MESHES, reduction="mean", **opts)
+    _, mets, grads = _ring_matches("softmax", "cutce", inputs, RING_MESHES, gather=gather, reduction="mean", **opts)
     assert float(jnp.max(jnp.abs(grads[1][V:]))) == 0.0 and float(mets["top1"]) >= 0
     cot = jnp.asarray(rng.normal(size=inputs["hidden"].shape[:-1]), jnp.float32)
-    _ring_matches("softmax", "cutce", inputs, RING_MESHES[:1], cot=cot, reduction="none", **opts)
+    _ring_matches("softmax", "cutce", inputs, RING_MESHES[:2], cot=cot, gather=gather, reduction="none", **opts)
+
+
+def test_cutbce_rows_per_row_loss(rng):
+    """BCE reduction='none' under the rows gather: each chip's own rows come back, in order."""
+    inputs = make_inputs(rng, V=V, rows=ROWS)
+    cot = jnp.asarray(rng.normal(size=inputs["hidden"].shape[:-1]), jnp.float32)
+    _ring_matches("bce", "cutbce", inputs, [(2, 4, 1), (1, 4, 2)], cot=cot, gather="rows", reduction="none",
+                  **dict(BCE_OPTIONS, vocab_size=V))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("gather", ["ring", "rows"])
 @pytest.mark.parametrize("strategy,objective", [("cutbce_pallas", "bce"), ("cutce_pallas", "softmax")])
-def test_pallas_ring_equals_single_device(strategy, objective, rng):
-    """The Mosaic kernels (interpret mode on CPU) walked round the ring, fsdp=4 × vocab=2."""
+def test_pallas_ring_equals_single_device(strategy, objective, gather, rng):
+    """The Mosaic kernels (interpret mode on CPU) walked round the ring, or on the gathered rows,
+    fsdp=4 × vocab=2."""
     inputs = make_inputs(rng, V=V, rows=1024)
     opts = dict(BCE_OPTIONS if objective == "bce" else SOFTMAX_OPTIONS, vocab_size=V)
     opts.pop("block_v"), opts.pop("block_n")
-    _ring_matches(objective, strategy, inputs, [(1, 4, 2)], reduction="mean", **opts)
+    _ring_matches(objective, strategy, inputs, [(1, 4, 2)], gather=gather, reduction="mean", **opts)
 
 
 def test_gather_logits_vjp_matches_autodiff(rng):
@@ -122,25 +139,29 @@ def test_gather_logits_vjp_matches_autodiff(rng):
         assert rel(a, r) <= 1e-5
 
 
-def test_dense_strategies_refuse_the_ring(rng):
+@pytest.mark.parametrize("gather", ["ring", "rows"])
+def test_dense_strategies_refuse_the_ring(gather, rng):
     inputs = make_inputs(rng, V=V, rows=ROWS)
-    with pytest.raises(ValueError, match=r"'dense_bce' does not take MeshLayout\(fsdp_gather='ring'\).*'once'"):
-        loss_and_grads("dense_bce", inputs, make_layout((2, 4, 1), fsdp_gather="ring"))
+    with pytest.raises(ValueError, match=rf"'dense_bce' does not take MeshLayout\(fsdp_gather='{gather}'\).*"
+                                         rf"'once', or a blocked strategy: cutbce, cutbce_pallas"):
+        loss_and_grads("dense_bce", inputs, make_layout((2, 4, 1), fsdp_gather=gather))
 
 
-def test_ring_without_fsdp_axis_is_a_no_op(rng):
-    """fsdp_gather='ring' with no fsdp axis (None) or one of size 1 is allowed and gives the 'once' result."""
+@pytest.mark.parametrize("gather", ["ring", "rows"])
+def test_ring_without_fsdp_axis_is_a_no_op(gather, rng):
+    """fsdp_gather='ring' or 'rows' with no fsdp axis (None) or one of size 1 is allowed and gives the
+    'once' result."""
     inputs = make_inputs(rng, V=V, rows=ROWS)
     lay = make_layout((4, 2), names=("data", "vocab"), batch_axes=("data",), fsdp_axis=None,
-                         fsdp_gather="ring")
+                         fsdp_gather=gather)
     assert_matches("dense_bce", inputs, lay, vocab_size=V)
-    lay = make_layout((8, 1, 1), fsdp_gather="ring")
+    lay = make_layout((8, 1, 1), fsdp_gather=gather)
     assert_matches("dense_bce", inputs, lay, vocab_size=V)   # size-1 fsdp: no ring, dense allowed
 
 
 @pytest.mark.parametrize("bad", ["gather", "RING", None, 1])
 def test_bad_fsdp_gather_names_the_value(bad):
-    with pytest.raises(ValueError, match=re.escape(f"fsdp_gather={bad!r} is not one of ('once', 'ring')")):
+    with pytest.raises(ValueError, match=re.escape(f"fsdp_gather={bad!r} is not one of ('once', 'ring', 'rows')")):
         make_layout((1, 8, 1), fsdp_gather=bad)
 
 
@@ -165,6 +186,29 @@ def test_ring_hlo_permutes_in_the_loop_and_saves_memory():
     assert any(big(l) for n, l in lines if n in loops and "collective-permute" in l)
     print({k: f"{v / 2**20:.1f} MiB" for k, v in temp.items()})
     assert temp["ring"] <= temp["once"] / 3, temp
+
+
+def test_rows_gather_moves_no_table_and_holds_less_than_the_ring():
+    """(1,8,1), V=100k, D=128, 8 rows a chip: under 'rows' no collective touches a table-sized array
+    (the rows are all-gathered, 64 × 128, and their gradient reduce-scattered), and the per-device
+    temporaries are below the ring's (which holds two travelling slices and their dE)."""
+    Vb, D = 100_000, 128
+    rows = recloss.padded_vocab_size(Vb, make_layout((1, 8, 1)))
+    temp, hlo = {}, {}
+    for gather in ("ring", "rows"):
+        compiled = compiled_loss_grad("cutbce", make_layout((1, 8, 1), fsdp_gather=gather), M=64,
+                                      V=rows, D=D, vocab_size=Vb)
+        temp[gather] = compiled.memory_analysis().temp_size_in_bytes
+        hlo[gather] = compiled.as_text()
+    # (groups of one device, the sums over the mesh's size-1 axes, move nothing)
+    collectives = [l for l in hlo["rows"].splitlines()
+                   if re.search(r"\b(all-gather|reduce-scatter|collective-permute|all-reduce)(-start)?\(", l)
+                   and not re.search(r"replica_groups=\{(\{\d+\},?)+\}", l)]
+    assert not [l for l in collectives if re.search(r"f32\[\d{4,},128\]", l)], "a table-sized collective"
+    assert [l for l in collectives if re.search(r"all-gather(-start)?\(", l) and "f32[64,128]" in l], \
+        "expected the rows' all-gather"
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in temp.items()})
+    assert temp["rows"] < temp["ring"], temp
 
 
 @pytest.mark.tpu_aot

@@ -110,7 +110,7 @@ SCHEMA = {
     "remove_accidental_hits": Key(bool),
     "gbce_t": Key(float),
     "sampled_proposal": Key(str, choices=("auto", "counts", "uniform")),
-    "loss_fsdp_gather": Key(str, choices=("once", "ring")),
+    "loss_fsdp_gather": Key(str, choices=("once", "ring", "rows")),
     # mesh
     "mesh_axes": Key(list, lambda v: sorted(v) == sorted(MESH_AXES),
                      f"a list holding each of {list(MESH_AXES)} once, in mesh order"),

@@ -40,9 +40,10 @@ Keys (the names of recloss's own trainer config, so one YAML vocabulary serves b
     loss_batch_axes       mesh axes the tokens are split over for a shard_map'ed loss; [] = no shard_map
     loss_fsdp_axis        mesh axis the table is additionally stored over (with loss_batch_axes), or null
     loss_vocab_axis       mesh axis the vocabulary is split over (with loss_batch_axes), or null
-    loss_fsdp_gather      with loss_fsdp_axis: 'once' (all-gather the table once per step) or 'ring'
-                          (slices passed round the fsdp axis, ~1/|fsdp| of the table's memory;
-                          blocked strategies only)
+    loss_fsdp_gather      with loss_fsdp_axis: 'once' (all-gather the table once per step), 'ring'
+                          (slices passed round the fsdp axis, ~1/|fsdp| of the table's memory) or
+                          'rows' (slices stay home, the fsdp group's tokens are all-gathered instead;
+                          ring and rows: blocked strategies only)
 
 An option of the other objective must stay at its default (``loss=cutce
 pos_weight=2`` is an error naming ``pos_weight``). MaxText's own
@@ -123,7 +124,8 @@ FIELDS = {
                            "split over, or None."),
     "loss_fsdp_gather": Key("str", "once", "With loss_fsdp_axis: 'once' all-gathers the item table over it "
                             "once per step; 'ring' passes the slices round it instead (about 1/|fsdp| of the "
-                            "table's memory; blocked strategies only)."),
+                            "table's memory); 'rows' leaves the slices home and all-gathers the fsdp group's "
+                            "tokens instead (ring and rows: blocked strategies only)."),
 }
 
 # Config key -> recloss.LossOptions field: the FIELDS keys the shared mapping knows (the rest
@@ -193,7 +195,7 @@ def maxtext_soft_cap(config) -> Optional[float]:
 
 def _mesh_axes(config) -> Tuple[Tuple[str, ...], Optional[str], Optional[str], str]:
     """(loss_batch_axes, loss_fsdp_axis, loss_vocab_axis, loss_fsdp_gather); the axes need the first,
-    ``'ring'`` needs an fsdp axis."""
+    ``'ring'`` and ``'rows'`` need an fsdp axis."""
     batch_axes = tuple(_get(config, "loss_batch_axes") or ())
     fsdp, vocab = _get(config, "loss_fsdp_axis"), _get(config, "loss_vocab_axis")
     gather = _get(config, "loss_fsdp_gather")
@@ -202,8 +204,9 @@ def _mesh_axes(config) -> Tuple[Tuple[str, ...], Optional[str], Optional[str], s
                          "(the mesh axes the tokens are split over) to be set")
     if gather not in ring_lib.GATHERS:
         raise ValueError(f"loss_fsdp_gather={gather!r}: expected one of {', '.join(map(repr, ring_lib.GATHERS))}")
-    if gather == "ring" and fsdp is None:
-        raise ValueError("loss_fsdp_gather='ring' passes the table slices round loss_fsdp_axis, which is not "
+    if gather != "once" and fsdp is None:
+        what = {"ring": "passes the table slices round", "rows": "gathers the tokens over"}[gather]
+        raise ValueError(f"loss_fsdp_gather={gather!r} {what} loss_fsdp_axis, which is not "
                          "set; set loss_batch_axes and loss_fsdp_axis, or loss_fsdp_gather=once")
     return batch_axes, fsdp, vocab, gather
 
@@ -233,7 +236,7 @@ def check_supported(config):
     strategy takes a z-loss, as the softmax ones do), ``num_negatives`` (at most
     ``vocab_size`` for a sampled strategy) and the mesh axis keys
     (``loss_fsdp_axis`` / ``loss_vocab_axis`` need ``loss_batch_axes``;
-    ``loss_fsdp_gather=ring`` needs ``loss_fsdp_axis`` and a strategy that takes it).
+    ``loss_fsdp_gather=ring`` or ``rows`` needs ``loss_fsdp_axis`` and a strategy that takes it).
     """
     name, options = loss_settings(config)
     recloss.get_strategy(name, options)     # combinations a strategy refuses (label_smoothing with a cap)
@@ -257,8 +260,8 @@ def check_supported(config):
     gather = _mesh_axes(config)[3]
     if gather not in recloss.get_strategy(name).fsdp_gathers:
         takers = [n for n in recloss.available_strategies() if gather in recloss.get_strategy(n).fsdp_gathers]
-        raise ValueError(f"loss_fsdp_gather={gather!r}: strategy {name!r} does not take it (it gathers the "
-                         f"table once); set loss_fsdp_gather=once, or use one of {takers}")
+        raise ValueError(f"loss_fsdp_gather={gather!r}: strategy {name!r} does not take it (it needs the vocab "
+                         f"shard's whole table); set loss_fsdp_gather=once, or use one of {takers}")
 
 
 def _annotations():

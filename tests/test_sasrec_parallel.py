@@ -47,6 +47,25 @@ def test_build_mesh_on_cpu_devices_and_param_specs():
     assert got["blocks"][0]["odd"]["kernel"] == P()          # 3 rows do not split over fsdp=2
 
 
+def test_model_batch_axes_take_the_vocab_axis_when_the_batch_divides():
+    """The batch (and so the model) is split over the vocab axis too when the global batch divides over
+    data × fsdp × vocab; otherwise the model runs replicated over it and the run log says why."""
+    mesh = parallel.build_mesh(_cfg("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_vocab_parallelism=2"),
+                               jax.devices()[:8])
+    layout = parallel.layout_for(mesh)
+    assert parallel.model_batch_axes(layout, 16) == ("data", "fsdp", "vocab")
+    assert parallel.batch_specs(layout, ("data", "fsdp", "vocab"))["targets"] == P(("data", "fsdp", "vocab"), None, None)
+    assert parallel.describe_model_split(layout, ("data", "fsdp", "vocab"), 16) == (
+        "model: batch split over ('data', 'fsdp', 'vocab') (8 ways); the loss all-gathers its rows over 'vocab'")
+    assert parallel.model_batch_axes(layout, 12) == ("data", "fsdp")
+    assert parallel.batch_specs(layout)["inputs"] == layout.batch_spec(2)
+    line = parallel.describe_model_split(layout, ("data", "fsdp"), 12)
+    assert "replicated over the 2 'vocab' shards because the global batch 12 is not a multiple of 8" in line
+    no_vocab = parallel.layout_for(parallel.build_mesh(_cfg("ici_data_parallelism=8"), jax.devices()[:8]))
+    assert parallel.model_batch_axes(no_vocab, 16) == ("data", "fsdp")
+    assert parallel.describe_model_split(no_vocab, ("data", "fsdp"), 16) == "model: batch split over ('data', 'fsdp') (8 ways)"
+
+
 def test_topology_names():
     assert parallel.topology_name("v6e-8") == "v6e:2x4"
     assert parallel.topology_name("v5litepod-16") == "v5e:4x4"

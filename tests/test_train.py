@@ -205,6 +205,9 @@ def test_mesh_2x2x2_matches_one_device(tmp_path):
     mesh = train(_cfg(tmp_path, *common, "run_name=mesh", "ici_data_parallelism=2", "ici_fsdp_parallelism=2",
                       "ici_vocab_parallelism=2"), dataset=ds, log=logs.append)
     assert any("{'data': 2, 'fsdp': 2, 'vocab': 2}" in l for l in logs)
+    # The model's batch is split over the vocab axis too (the loss gathers its rows back over it).
+    assert mesh.program.model_batch_axes == ("data", "fsdp", "vocab")
+    assert any("model: batch split over ('data', 'fsdp', 'vocab') (8 ways)" in l for l in logs), logs
     assert mesh.program.rows == one.program.rows == 512
     table = mesh.state["params"]["item_emb"]["embedding"]
     assert table.sharding.spec[0] == ("vocab", "fsdp")

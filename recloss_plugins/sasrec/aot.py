@@ -134,6 +134,7 @@ def compile_report(cfg, log=print) -> Dict[str, object]:
         f"{devices[0].device_kind}) in {time.perf_counter() - t0:.1f}s: loss={cfg.loss}, mesh "
         f"{dict(program.mesh.shape)}, V={vocab} ({program.rows} rows), D={cfg.emb_dim}, N={cfg.max_seq_len}, "
         f"global batch {program.batch_size} ({program.batch_size // program.layout.batch_shards} per batch shard)")
+    log(parallel.describe_model_split(program.layout, program.model_batch_axes, program.batch_size))
     log(f"per-chip HBM: {buffers.format_memory(rep)}")
     log(buffers.report(top, top=5))
     out = {"total_gib": gib, "memory": rep, "global_batch_size": program.batch_size, "buffers": top}
@@ -160,7 +161,9 @@ def compile_report(cfg, log=print) -> Dict[str, object]:
                 f"{'fits' if total <= budget else 'too big'}")
             return total
 
-        unit = program.layout.batch_shards
+        # Multiples of what the batch is split over: with the vocab axis among them every batch tried
+        # splits the model the same way, so memory stays monotonic in the batch.
+        unit = math.prod(program.mesh.shape[a] for a in program.model_batch_axes)
         best = largest_fitting_batch(measure, budget, unit, program.batch_size, capacity=lambda: cap["bytes"])
         log(f"largest global batch fitting {cfg.compile_fit_hbm_gib:g} GiB per chip: {best} "
             f"(multiples of {unit}; {len(seen)} compiles)")

@@ -4,7 +4,9 @@ Mesh shape: per axis a in mesh_axes, ici_a_parallelism × dcn_a_parallelism
 (one -1 per group fills the remaining devices per slice / slices).
 Shardings:
 
-    batch arrays [B, ...]     P(batch_axes, None, ...)           batch_axes = (data, fsdp)
+    batch arrays [B, ...]     P(batch_axes, None, ...)           batch_axes = (data, fsdp), and vocab
+                                                                 when B divides over all three
+                                                                 (`model_batch_axes`)
     item table [V_rows, D]    the strategy's table spec: rows over (vocab, fsdp)
     output bias [V_rows]      the strategy's bias spec
     other params, ndim >= 2   leading dim over fsdp when it divides, else replicated
@@ -134,8 +136,41 @@ def named(mesh: Mesh, spec_tree):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=lambda x: isinstance(x, P))
 
 
-def batch_specs(layout: recloss.MeshLayout):
-    return {"inputs": layout.batch_spec(2), "targets": layout.batch_spec(3), "weights": layout.batch_spec(2)}
+def model_batch_axes(layout: recloss.MeshLayout, batch_size: int) -> Tuple[str, ...]:
+    """The axes the train step splits its batch arrays, and so the model's work, over: the loss's
+    batch axes, and the vocab axis too when ``batch_size`` divides over all of them.
+
+    The loss needs each vocab shard to see all rows of its batch shard; the model does not. Split
+    over the vocab axis, the model runs once per row instead of once per vocab shard (|vocab|× less
+    work and activation memory per chip), and XLA all-gathers the hidden rows over the vocab axis
+    into the loss's shard_map (their gradient reduce-scattered back)."""
+    axes = tuple(layout.batch_axes)
+    if layout.vocab_shards > 1 and batch_size % (layout.batch_shards * layout.vocab_shards) == 0:
+        axes += (layout.vocab_axis,)
+    return axes
+
+
+def describe_model_split(layout: recloss.MeshLayout, axes: Sequence[str], batch_size: int) -> str:
+    """One line for the run log: what the model's batch is split over, and why not the vocab axis."""
+    split = layout.vocab_axis is not None and layout.vocab_axis in axes
+    ways = layout.batch_shards * (layout.vocab_shards if split else 1)
+    line = f"model: batch split over {tuple(axes)} ({ways} ways)"
+    if split:
+        return line + f"; the loss all-gathers its rows over {layout.vocab_axis!r}"
+    if layout.vocab_shards > 1:
+        unit = layout.batch_shards * layout.vocab_shards
+        return (line + f"; replicated over the {layout.vocab_shards} {layout.vocab_axis!r} shards because the "
+                f"global batch {batch_size} is not a multiple of {unit}: one that is splits the model's work "
+                f"{layout.vocab_shards} ways more")
+    return line
+
+
+def batch_specs(layout: recloss.MeshLayout, axes: Optional[Sequence[str]] = None):
+    """Specs of the train step's batch arrays, split on their leading dim over ``axes`` (default
+    the loss's batch axes; `model_batch_axes` for the step's inputs)."""
+    axes = tuple(layout.batch_axes if axes is None else axes)
+    b = axes[0] if len(axes) == 1 else axes
+    return {"inputs": P(b, None), "targets": P(b, None, None), "weights": P(b, None)}
 
 
 def put_global(arr: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -174,6 +174,7 @@ class Program:
     eval_top_k: Callable       # (params, inputs [U, N], lengths [U]) -> (scores [U, K], ids [U, K])
     prng_impl: str = PRNG_IMPL  # the implementation of every key (recorded in checkpoints)
     manual: Optional[recloss.MeshLayout] = None   # the loss's layout when the step is data parallel by hand
+    model_batch_axes: Tuple[str, ...] = ()        # what the batch arrays are split over (`parallel.model_batch_axes`)
     _compiled: Any = dataclasses.field(default=None, repr=False)
 
     def compiled_train_step(self):
@@ -268,7 +269,8 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
     state_sh = parallel.named(mesh, state_specs)
     abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                   shapes, state_sh)
-    batch_sh = parallel.named(mesh, parallel.batch_specs(layout))
+    model_axes = parallel.model_batch_axes(layout, b)
+    batch_sh = parallel.named(mesh, parallel.batch_specs(layout, model_axes))
     replicated = NamedSharding(mesh, P())
 
     sampled = {}
@@ -341,7 +343,7 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
     return Program(
         cfg=cfg, mesh=mesh, layout=layout, strategy=strategy, vocab_size=vocab_size, rows=rows, batch_size=b,
         graphdef=graphdef, tx=tx, schedule=schedule, abstract_state=abstract_state, state_shardings=state_sh,
-        manual=manual,
+        manual=manual, model_batch_axes=model_axes,
         batch_shardings=batch_sh,
         init=_pinned(jax.jit(init, out_shardings=state_sh)),
         train_step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),

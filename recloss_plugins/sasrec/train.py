@@ -158,6 +158,7 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
     if program.manual is not None:
         say(f"train step: data parallel under shard_map over {program.manual.batch_axes}, "
             f"gradients summed in place (recloss.psum_in_place)")
+    say(parallel.describe_model_split(program.layout, program.model_batch_axes, B))
 
     writer = MetricsWriter(run_dir, cfg.enable_tensorboard, active=is_main, log=say)
     ckpt = Checkpoints(run_dir / "checkpoints", cfg.max_checkpoints_to_keep) if cfg.enable_checkpointing else None

@@ -1,8 +1,9 @@
 """The whole SASRec train step compiled ahead of time for TPU pods: per-chip HBM against the record.
 
 The pinned rows of the docs' pod tables (`recloss.bench.figures.POD_TABLES`: the paper step on v6e-8
-data parallel, with the table over fsdp 8 with the ring and over 8 vocab shards; a 10^7-item table
-over fsdp 8 with the ring on v5e-256) are compiled as `recloss-train ... compile_topology=...` does
+data parallel, with the table over fsdp 8 with the ring and over 8 vocab shards; on v5e-256 a 10^7-item
+table over 8 vocab shards and over fsdp 8 with the ring and with the rows gathered, and a 10^8-item
+one over 64 vocab shards) are compiled as `recloss-train ... compile_topology=...` does
 and compared with this stack's record, ``docs/figures/pod/jax-<jax>_libtpu-<libtpu>.json``, the file
 docs/sharding.md renders its tables from. XLA's compile is deterministic for a given jax/libtpu, so
 a regression of more than 5 % fails; the largest buffers at the peak are printed

@@ -444,7 +444,7 @@ POD_TABLES: Dict[str, PodTable] = {
     "pod-v5e": PodTable("configs/sasrec_yambda.yml", ("table", "mesh (data, fsdp, vocab)"), (
         PodRow("v5e-256 V=1e7, vocab 8", ("V = 10^7", "data 32 × vocab 8"),
                ("loss=cutbce_pallas", *_V5E, "vocab_size=10000000", "ici_data_parallelism=32",
-                "ici_vocab_parallelism=8")),
+                "ici_vocab_parallelism=8"), pinned=True),
         PodRow("v5e-256 V=1e7, fsdp 8 ring", ("V = 10^7", "data 32 × fsdp 8, `loss_fsdp_gather=ring`"),
                ("loss=cutbce_pallas", *_V5E, "vocab_size=10000000", "ici_data_parallelism=32",
                 "ici_fsdp_parallelism=8", "loss_fsdp_gather=ring"), pinned=True),
@@ -453,7 +453,7 @@ POD_TABLES: Dict[str, PodTable] = {
                 "ici_fsdp_parallelism=8", "loss_fsdp_gather=rows"), pinned=True),
         PodRow("v5e-256 V=1e8, vocab 64", ("V = 10^8", "data 4 × vocab 64"),
                ("loss=cutbce_pallas", *_V5E, "vocab_size=100000000", "ici_data_parallelism=4",
-                "ici_vocab_parallelism=64")),
+                "ici_vocab_parallelism=64"), pinned=True),
     )),
 }
 

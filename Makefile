@@ -6,6 +6,11 @@ STAMP  := $(VENV)/.installed
 # pytest-xdist workers for both test legs (`auto`: one per core); JOBS=0 runs in one process.
 JOBS   ?= auto
 PYTEST := -m pytest -q -n $(JOBS) --dist loadgroup
+# The test tiers (pytest markers; docs/development.md): `make test` runs the first, `make test-all` both,
+# the Python 3.12 leg the first plus every test whose result depends on the stack. TIERS overrides.
+TIERS_TEST   := tier1
+TIERS_ALL    := tier1 or tier2
+TIERS_PY312  := tier1 or stack
 
 # The second test leg: Python 3.12 at the newest jax the resolver gives, with MaxText installed for real
 # (`make test-py312`). A python3.12 on PATH that runs, else pyenv's; `make -s python312` prints it.
@@ -15,7 +20,7 @@ PYTHON312 ?= $(shell for p in "$$(command -v python3.12)" "$$(pyenv root 2>/dev/
 	done)
 STAMP312  := $(VENV312)/.installed
 
-.PHONY: test test-py312 python312 train bench bench-py312 quality docs clean
+.PHONY: test test-all test-py312 python312 train bench bench-py312 quality docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +31,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) $(PYTEST) $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) $(PYTEST) -m "$(or $(TIERS),$(TIERS_TEST))" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) $(PYTEST) -m "$(or $(TIERS),$(TIERS_ALL))" $(PYTEST_ARGS)
 
 python312:
 	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found (python3.12 on PATH, or pyenv's versions/3.12.*)" >&2; exit 1; }
@@ -43,7 +51,8 @@ $(STAMP312): pyproject.toml
 # RECLOSS_REQUIRE_MAXTEXT=1: the MaxText tests fail, rather than skip, when MaxText does not import.
 test-py312: $(STAMP312)
 	$(VENV312)/bin/python -c 'import jax, maxtext, tokamax, importlib.metadata as m; print("py312 leg:", *(f"{p} {m.version(p)}" for p in ("jax", "libtpu", "maxtext", "tokamax")))'
-	RECLOSS_REQUIRE_MAXTEXT=1 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV312)/bin/python $(PYTEST) $(PYTEST_ARGS)
+	RECLOSS_REQUIRE_MAXTEXT=1 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV312)/bin/python $(PYTEST) \
+	  -m "$(or $(TIERS),$(TIERS_PY312))" $(PYTEST_ARGS)
 
 train: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)/bin/recloss-train configs/base.yml $(TRAIN_ARGS)

@@ -3,18 +3,35 @@ be replayed (RECLOSS_TEST_SEED); and global JAX config restored after every test
 
 import os
 
-# XLA:CPU's LLVM back end at -O0: the suite is compile-bound (hundreds of small programs), and -O0
-# roughly halves each compile while leaving every HLO pass, the buffer assignment (memory_analysis)
-# and TPU compiles untouched (checked: identical CPU temp bytes and v6e per-chip figures with and
-# without it). Only how fast the CPU machine code runs changes. An XLA_FLAGS that sets its own
-# level wins.
+# The suite is compile-bound (hundreds of small XLA:CPU programs), so XLA:CPU compiles cheaply here:
+# - its LLVM back end at -O0 (about halves each compile; every HLO pass, the CPU buffer assignment and
+#   TPU compiles are untouched: identical CPU temp bytes and v6e per-chip figures with and without it);
+# - where this XLA still has them (jax 0.10.2 does, 0.12 does not: its compiles are that cheap already),
+#   the elemental fusion emitters instead of the MLIR ones: a third less wall time for the oracle tests.
+#   This one moves the CPU buffer assignment a little (cutbce's temporaries at one test shape: 1.93 ->
+#   2.18 MB); the CPU memory tests assert bounds that hold either way, and libtpu reads no XLA:CPU flag.
+# Only how fast CPU programs compile and run changes. An XLA_FLAGS that sets one of them itself wins.
 TEST_XLA_OPT = "--xla_backend_optimization_level=0"
+OPTIONAL_XLA_OPT = "--xla_cpu_use_fusion_emitters=false"
+_OPT_ENV = "RECLOSS_TEST_XLA_OPT"     # the probe's answer, for xdist workers and launched processes
+
+
+def _test_xla_opt() -> str:
+    """TEST_XLA_OPT plus OPTIONAL_XLA_OPT when this XLA knows the flag (an unknown XLA flag aborts the
+    process, so a child process tries it once; the answer is kept in the environment)."""
+    if _OPT_ENV not in os.environ:
+        import subprocess
+        import sys
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], capture_output=True,
+                               env=dict(os.environ, XLA_FLAGS=OPTIONAL_XLA_OPT, JAX_PLATFORMS="cpu"))
+        os.environ[_OPT_ENV] = " ".join([TEST_XLA_OPT] + ([OPTIONAL_XLA_OPT] if probe.returncode == 0 else []))
+    return os.environ[_OPT_ENV]
 
 
 def xla_flags(devices: int = 8) -> str:
     """The XLA_FLAGS of this suite for a process of ``devices`` CPU devices (subprocesses use it too,
     so a launched run compiles as the test process does)."""
-    return f"--xla_force_host_platform_device_count={devices} {TEST_XLA_OPT}"
+    return f"--xla_force_host_platform_device_count={devices} {_test_xla_opt()}"
 
 
 # Must happen before jax is imported anywhere.
@@ -94,10 +111,36 @@ def pytest_configure(config):
 SEEDED_FIXTURES = {"seed", "rng", "fresh_seed"}
 
 
-def pytest_collection_modifyitems(config, items):
-    # `-m seeded` selects every test whose inputs a seed decides (a seed fixture anywhere in its
-    # fixture closure, or Hypothesis examples): the ones a sweep over RECLOSS_TEST_SEED re-runs.
+# ----------------------------------------------------------------------------- tiers
+# Every test belongs to exactly one tier (docs/development.md): `tier1` is `make test`, what a
+# contributor runs after every change; `tier2` is what costs minutes and guards something else
+# (`make test-all` runs both). `stack` marks a test whose result depends on the software stack, which
+# the newest-stack leg runs whatever its tier; a TPU compile (`tpu_aot`) always does.
+TIERS = ("tier1", "tier2")
+
+
+def tier_errors(items):
+    """One line per test that carries no tier marker, or more than one."""
+    errors = []
     for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            errors.append(f"{item.nodeid}: {'no tier' if not tiers else 'tiers ' + ' and '.join(tiers)}")
+    return errors
+
+
+def pytest_collection_modifyitems(config, items):
+    errors = tier_errors(items)
+    if errors:
+        raise pytest.UsageError(
+            f"{len(errors)} test(s) without exactly one tier; mark each with pytest.mark.tier1 (every change, "
+            "`make test`) or pytest.mark.tier2 (`make test-all`), as docs/development.md says:\n  "
+            + "\n  ".join(errors))
+    for item in items:
+        if item.get_closest_marker("tpu_aot"):
+            item.add_marker(pytest.mark.stack)
+        # `-m seeded` selects every test whose inputs a seed decides (a seed fixture anywhere in its
+        # fixture closure, or Hypothesis examples): the ones a sweep over RECLOSS_TEST_SEED re-runs.
         hypo = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
         if hypo or SEEDED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.seeded)

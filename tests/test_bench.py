@@ -15,6 +15,7 @@ from recloss.bench import cli
 SMALL = ["--batch", "2", "--seq", "24", "--vocab", "3001", "--dim", "20", "--labels", "3", "--repeats", "2"]
 
 
+@pytest.mark.tier1
 def test_cpu_rows_agree_and_report(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert cli.main(SMALL + ["--json", str(out)]) == 0
@@ -40,6 +41,7 @@ def test_cpu_rows_agree_and_report(tmp_path, capsys):
     assert "| cutbce (fused) | 2×24 | 3,001 | 20 |" in text
 
 
+@pytest.mark.tier1
 def test_matmuls_only_ceiling_changes_no_library_code(rng):
     import jax.numpy as jnp
     import numpy as np
@@ -57,6 +59,7 @@ def test_matmuls_only_ceiling_changes_no_library_code(rng):
     assert cut.bernoulli_parts is real and float(recloss.bce_loss(h, e, t).loss) == before
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("argv, message", [
     (["--strategies", "optax", "--topology", "v6e-8"], "--strategies optax is a CPU timing baseline"),
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
@@ -74,6 +77,7 @@ def test_bad_arguments_name_the_value(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.tier1
 def test_bad_record_paths_are_named_before_compiling(tmp_path, capsys):
     """--record DIR: a file, an uncreatable directory, or no --topology fail at once, naming the path."""
     cases = [
@@ -90,6 +94,7 @@ def test_bad_record_paths_are_named_before_compiling(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.tier1
 def test_unknown_strategy_lists_the_known_ones():
     with pytest.raises(ValueError, match="cutbce"):
         cli.main(["--strategies", "cutbse"])
@@ -99,6 +104,7 @@ SOFTMAX_SMALL = ["--objective", "softmax", "--batch", "2", "--seq", "24", "--voc
                  "--repeats", "2"]
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("labels", [3, 1])
 def test_softmax_rows_agree_and_report(labels, tmp_path, capsys):
     """dense_ce, the optax code users write and cutce compute one loss; the table and the
@@ -128,18 +134,21 @@ def test_softmax_rows_agree_and_report(labels, tmp_path, capsys):
         assert "skipped tokamax: import tokamax failed" in text
 
 
+@pytest.mark.tier1
 def test_softmax_peer_needs_the_softmax_objective(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--strategies", "tokamax"])
     assert "--strategies tokamax is a softmax peer: use --objective softmax" in capsys.readouterr().err
 
 
+@pytest.mark.tier1
 def test_strategy_of_another_objective_is_named(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--objective", "softmax", "--strategies", "cutbce"])
     assert "strategy 'cutbce' computes the 'bce' objective" in capsys.readouterr().err
 
 
+@pytest.mark.tier1
 def test_chunked_padding_bias_is_exp0_per_padded_column():
     """The offset `peers.padding_bias` predicts is log(e^Z + pad) − Z, exactly."""
     import numpy as np
@@ -153,6 +162,7 @@ def test_chunked_padding_bias_is_exp0_per_padded_column():
 
 
 # ------------------------------------------------------------------ --plot and the version
+@pytest.mark.tier1
 def test_version_is_the_package_metadata_one():
     import tomllib
     from importlib import metadata
@@ -185,6 +195,7 @@ def _fake_payload(rng):
     return dict(topology=rows, cpu=cpu, info=info)
 
 
+@pytest.mark.tier1
 def test_plot_draws_hbm_and_cpu_time_against_v_with_oom_marked(tmp_path, rng):
     import numpy as np
     pytest.importorskip("matplotlib", reason="the `plot` extra (matplotlib) is not installed")
@@ -211,6 +222,7 @@ def test_plot_draws_hbm_and_cpu_time_against_v_with_oom_marked(tmp_path, rng):
     assert pixels.shape[0] > 500 and pixels.shape[1] > 1500 and pixels.std() > 0.05   # drawn, not blank
 
 
+@pytest.mark.tier1
 def test_plot_needs_matplotlib_and_says_how_to_get_it(monkeypatch, capsys, tmp_path):
     import sys
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib -> ImportError
@@ -220,7 +232,7 @@ def test_plot_needs_matplotlib_and_says_how_to_get_it(monkeypatch, capsys, tmp_p
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
 @pytest.mark.tpu_aot
 def test_plot_command_compiles_for_v6e_times_on_cpu_and_writes_the_png(monkeypatch, tmp_path):
     """`recloss-bench --plot` end to end on a small sweep: dense_bce runs out of v6e HBM at V=10^7
@@ -253,6 +265,7 @@ def test_plot_command_compiles_for_v6e_times_on_cpu_and_writes_the_png(monkeypat
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.tier2
 def test_sampled_bias_mode_prints_writes_and_draws(tmp_path, capsys):
     """`recloss-bench --sampled-bias --quick`: every variant and K of the table, the JSON the docs
     render, the PNG; on this skewed state, keeping accidental hits brings the K = 1024 gradient
@@ -282,6 +295,7 @@ class _FakeCompiled:
                                      temp_size_in_bytes=7, alias_size_in_bytes=0)
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("where", ["above the start", "below the start"])
 def test_largest_vocab_brackets_the_refusal_to_the_tolerance(where, rng, monkeypatch):
     """The bisection, against a compiler that refuses every V past a drawn threshold."""
@@ -314,6 +328,7 @@ def test_largest_vocab_brackets_the_refusal_to_the_tolerance(where, rng, monkeyp
     assert row["compiles"] == len(calls) <= 40 and (row["B"], row["N"], row["D"]) == (2, 8, 64)
 
 
+@pytest.mark.tier1
 def test_largest_vocab_raises_what_is_not_out_of_memory(monkeypatch):
     from recloss.bench import topology
 

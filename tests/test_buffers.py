@@ -14,6 +14,8 @@ import pytest
 
 from recloss.bench import buffers
 
+pytestmark = pytest.mark.tier1
+
 
 def test_cpu_program_peak_arguments_and_temporaries(tmp_path, rng):
     m, d, n = 384, 128, 640                     # a [m, d] f32, b [d, n] f32, a @ b [m, n] sorted

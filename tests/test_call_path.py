@@ -25,6 +25,8 @@ from helpers import make_layout
 from recloss import sweep
 from recloss.pallas import grid
 
+pytestmark = pytest.mark.tier1
+
 PACKAGE = os.path.dirname(recloss.__file__) + os.sep
 BLOCKED = {"cutbce": "blocked", "cutce": "blocked", "cutbce_pallas": "call", "cutce_pallas": "call"}
 LIMIT = 6

@@ -10,6 +10,8 @@ import recloss
 from recloss_plugins.config import (LOSS_OPTION_KEYS, SCHEMA, ConfigError, LossOptionError, build_loss_options,
                                     default_config_path, dump_config, load_config, loss_options, option_for)
 
+pytestmark = pytest.mark.tier1
+
 BASE = default_config_path()
 CONFIGS = BASE.parent
 

@@ -39,6 +39,8 @@ from helpers import strategies
 from oracle import bce_oracle, f64, sampled_oracle, softmax_oracle
 from recloss.sampled import sampler
 
+pytestmark = [pytest.mark.tier1, pytest.mark.stack]
+
 try:
     from jax.sharding import AxisType
 except ImportError:   # pragma: no cover - every supported jax has it

@@ -12,6 +12,8 @@ import pytest
 
 import recloss
 
+pytestmark = pytest.mark.tier1
+
 BN, D, L = 2048, 64, 8
 V = 20000
 MiB = 2**20

@@ -6,6 +6,8 @@ import pytest
 
 from recloss_plugins.sasrec import data as D
 
+pytestmark = pytest.mark.tier1
+
 
 def _seqs(lengths):
     """Users whose items encode (user, position): item = 1 + offset + position, all distinct."""

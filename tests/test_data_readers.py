@@ -5,6 +5,8 @@ import pytest
 
 from recloss_plugins.sasrec import data as D
 
+pytestmark = pytest.mark.tier1
+
 
 def _write_csv(path, header, rows, sep=","):
     path.write_text(sep.join(header) + "\n" + "\n".join(sep.join(str(x) for x in r) for r in rows) + "\n")

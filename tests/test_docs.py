@@ -45,11 +45,13 @@ train_item_counts = jax.random.randint(jax.random.key(3), (V,), 0, 100)
 step = 7
 """,
 }
+@pytest.mark.tier1
 def test_block_collector_reads_indented_blocks():
     text = "x\n```python\na = 1\n```\n* item\n\n  ```python\n  b = a + 1\n  ```\n```sh\nls\n```\n"
     assert python_blocks(text) == ["a = 1\n", "b = a + 1\n"]
 
 
+@pytest.mark.tier2
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p.read_text(encoding="utf-8"))],
                          ids=lambda p: p.name)
 def test_every_python_block_runs(page):
@@ -80,6 +82,7 @@ def site(tmp_path_factory):
     return _build(tmp_path_factory.mktemp("docs") / "html")
 
 
+@pytest.mark.tier2
 def test_the_site_builds_without_warnings_and_has_its_pages(site):
     index = (site / "index.html").read_text()
     for page in ("getting-started", "choosing-a-loss", "sharding", "kernels", "flax", "maxtext", "trainer",
@@ -98,6 +101,7 @@ def _paper_row(data):
                 and (r["B"], r["N"], r["D"], r["V"]) == (8, 256, 256, 876_939))
 
 
+@pytest.mark.tier2
 def test_a_record_changed_by_hand_changes_the_rendered_page(site, tmp_path):
     """The benchmark tables are rendered from docs/figures (hbm/, cpu/, pod/, data/) at build time, not
     typed into the page."""
@@ -193,6 +197,7 @@ def _check_command(words, makefile_targets):
     return "unchecked"
 
 
+@pytest.mark.tier1
 def test_every_shell_command_names_programs_flags_and_keys_that_exist():
     """Commands that need a TPU, a bucket or a real data set are not run; their flags and config
     keys are checked against the parsers that would read them."""
@@ -221,7 +226,7 @@ def test_every_shell_command_names_programs_flags_and_keys_that_exist():
 
 # Why a documented command is checked for its flags and keys above but not run on tiny data below;
 # a command that neither runs nor has a reason fails the test (a new example must be classified).
-_MAKE_CI = {"test", "test-py312", "docs"}
+_MAKE_CI = {"test", "test-all", "test-py312", "docs"}
 _MAKE_BENCH = {"bench", "bench-py312", "quality", "figures", "pod-figures"}
 NOT_RUN = (
     (lambda p, a: any(x.startswith("compile_topology=") for x in a),
@@ -266,6 +271,7 @@ def _not_run_reason(words):
     return next((why for match, why in NOT_RUN if match(prog, args)), None)
 
 
+@pytest.mark.tier2
 def test_documented_trainer_commands_run_on_tiny_data(tmp_path, capsys):
     """Each `recloss-train` / `recloss-prepare-data` command of the pages that can run on a CPU runs, in
     page order (a prepare before the train that reads it), with TINY appended and /data/ paths moved
@@ -318,6 +324,7 @@ def _browse(url, profile):
     return run.stdout, console
 
 
+@pytest.mark.tier2
 def test_the_site_renders_in_a_real_browser(site, tmp_path):
     """Headless Chromium loads the index, the API page and a search over localhost: the headings
     render, the search finds the API page, and no page writes to the console (errors, 404s)."""

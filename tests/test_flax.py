@@ -13,6 +13,8 @@ import recloss
 from helpers import strategies
 from recloss_plugins.flax import LinenMultiLabelHead, MultiLabelHead, make_loss_fn, resolve_config
 
+pytestmark = pytest.mark.tier1
+
 
 try:
     import ml_collections
@@ -160,7 +162,6 @@ def test_nnx_head_grads_equal_bce_loss(rng, strategy, opts):
     assert float(jnp.abs(want[0]).sum()) > 0 and float(jnp.abs(want[1]).sum()) > 0
 
 
-@pytest.mark.slow
 def test_nnx_head_grads_equal_bce_loss_pallas(rng):
     # The head forwards to whatever strategy it was given; one Pallas case (interpret mode on CPU).
     hidden, targets, weights = _inputs(rng, b=2, n=4, v=128)

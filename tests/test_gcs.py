@@ -70,6 +70,7 @@ def _params(result):
 
 
 # ----------------------------------------------------------------------------- one process
+@pytest.mark.tier2
 def test_train_to_bucket_and_resume_equals_uninterrupted(gcs, tmp_path, monkeypatch):
     import jax
     from etils import epath
@@ -135,6 +136,7 @@ def _same(a, b):
     assert a.num_items == b.num_items
 
 
+@pytest.mark.tier1
 def test_parquet_and_csv_from_bucket_equal_local_copy(gcs, tmp_path, rng):
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
@@ -174,6 +176,7 @@ def test_parquet_and_csv_from_bucket_equal_local_copy(gcs, tmp_path, rng):
     np.testing.assert_array_equal(a.popularity, b.popularity)
 
 
+@pytest.mark.tier1
 def test_reading_and_preparing_from_the_bucket_leave_nothing_pending_at_exit(gcs, tmp_path, rng):
     """Every gcsfs handle is closed: a left-open read's prefetch task makes asyncio print
     "Task was destroyed but it is pending!" at interpreter exit."""
@@ -193,6 +196,7 @@ def test_reading_and_preparing_from_the_bucket_leave_nothing_pending_at_exit(gcs
     assert "pending" not in r.stderr and "Task was destroyed" not in r.stderr, r.stderr
 
 
+@pytest.mark.tier1
 def test_emulator_that_cannot_start_says_why(tmp_path):
     from gcs_emulator import Emulator
     script = tmp_path / "broken.py"
@@ -204,6 +208,7 @@ def test_emulator_that_cannot_start_says_why(tmp_path):
 
 
 # ----------------------------------------------------------------------------- bad input
+@pytest.mark.tier1
 @pytest.mark.parametrize("url, message", [
     ("gs://", "names no bucket; expected gs://BUCKET/PREFIX"),
     ("gs:///runs", "names no bucket; expected gs://BUCKET/PREFIX"),
@@ -219,6 +224,7 @@ def test_malformed_urls_are_named_errors(url, message):
     assert f"config key 'base_output_directory' is {url!r}" in str(err.value) and message in str(err.value)
 
 
+@pytest.mark.tier1
 def test_missing_object_and_bucket_are_named_errors(gcs, tmp_path, capsys):
     from recloss_plugins.config import default_config_path
     from recloss_plugins.sasrec import data as D
@@ -233,6 +239,7 @@ def test_missing_object_and_bucket_are_named_errors(gcs, tmp_path, capsys):
     assert "config key 'base_output_directory'" in err and "gcloud storage buckets create" in err
 
 
+@pytest.mark.tier1
 def test_no_credentials_outside_the_emulator_is_a_named_error(tmp_path, monkeypatch, capsys):
     from recloss_plugins.config import default_config_path
     from recloss_plugins.sasrec import data as D
@@ -261,7 +268,7 @@ TWO = ["ici_fsdp_parallelism=2", "ici_vocab_parallelism=2", "enable_tensorboard=
        "eval_max_users=16"]
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
 def test_two_processes_checkpoint_to_bucket_and_resume_exactly(gcs, tmp_path):
     base = f"gs://{gcs.bucket}/{_prefix()}/runs"
     out = tmp_path / "result.npz"
@@ -318,7 +325,7 @@ FROM_LOG = ["dataset_type=interactions", "min_user_interactions=12", "prepare_nu
             "enable_tensorboard=false", "steps=3", "eval_max_users=16", "enable_checkpointing=false"]
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
 def test_two_processes_train_a_bucket_log_prepared_once_and_staged_per_host(gcs, tmp_path, rng):
     """Process 0 prepares the log into the bucket while process 1 waits; each stages and checks only its
     own two shards; a second run reuses both the preparation and the staged copies."""

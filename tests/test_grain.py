@@ -15,6 +15,8 @@ from recloss_plugins.sasrec import parallel
 from recloss_plugins.sasrec.data import pipeline as G
 from recloss_plugins.sasrec.data import prepare as P
 
+pytestmark = pytest.mark.tier1
+
 N, L, SHARDS = 6, 3, 4
 
 

@@ -3,8 +3,11 @@ functions normalises to the same text, and a changed program does not."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from recloss.bench import hlo
+
+pytestmark = pytest.mark.tier1
 
 
 def _compiled(fn):

@@ -13,6 +13,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.tier1
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("recloss", "recloss_plugins")
 

@@ -105,6 +105,7 @@ def _args_dump_program(path: Path, out: Path):
 
 
 # ----------------------------------------------------------------------------- shell hygiene
+@pytest.mark.tier1
 def test_every_launcher_script_exists_and_parses():
     assert {p.name for p in SCRIPTS} >= {"xpk.sh", "gcloud_tpu_vm.sh", "local.sh", "common.sh"}
     for script in SCRIPTS:
@@ -120,6 +121,7 @@ def _shellcheck():
     return found or (str(beside) if beside.exists() else None)
 
 
+@pytest.mark.tier1
 def test_shellcheck_finds_nothing():
     exe = _shellcheck()
     if exe is None:
@@ -138,6 +140,7 @@ XPK_CREATE = ["create", "--cluster", "tpu-cluster", "--workload", "sasrec-1", "-
               "--xpk-flag=--spot"]
 
 
+@pytest.mark.tier1
 def test_xpk_create_hands_config_and_overrides_to_the_workload(tmp_path):
     bindir = _fake_bins(tmp_path, "xpk")
     res = _run([XPK_SH, *XPK_CREATE, "--dry-run", "--", *TRAIN_ARGS], tmp_path, env={"XPK": str(bindir / "xpk")})
@@ -160,6 +163,7 @@ def test_xpk_create_hands_config_and_overrides_to_the_workload(tmp_path):
     assert json.loads(out.read_text())["argv"] == TRAIN_ARGS
 
 
+@pytest.mark.tier1
 def test_xpk_print_only_runs_nothing_and_dry_run_reaches_list_and_delete(tmp_path):
     bindir = _fake_bins(tmp_path, "xpk", "kubectl")
     env = {"XPK": str(bindir / "xpk"), "KUBECTL": str(bindir / "kubectl")}
@@ -180,6 +184,7 @@ def test_xpk_print_only_runs_nothing_and_dry_run_reaches_list_and_delete(tmp_pat
     ]
 
 
+@pytest.mark.tier1
 def test_xpk_watch_lists_then_follows_process_0(tmp_path):
     bindir = _fake_bins(tmp_path, "xpk", "kubectl")
     env = {"XPK": str(bindir / "xpk"), "KUBECTL": str(bindir / "kubectl")}
@@ -201,6 +206,7 @@ def test_xpk_watch_lists_then_follows_process_0(tmp_path):
     assert _shown(res.stderr)[-1][-2:] == ["-l", "jobset.sigs.k8s.io/jobset-name=w1"]
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("args, message", [
     (["create", "--cluster", "c", "--workload", "Bad_Name", "--tpu-type", "v6e-8", "--docker-image", "i"],
      "--workload 'Bad_Name' is not a valid xpk name"),
@@ -231,6 +237,7 @@ def _gcloud(tmp_path, *args, workers=4, check=True):
                 check=check)
 
 
+@pytest.mark.tier1
 def test_gcloud_dry_run_prints_each_step_and_runs_nothing(tmp_path):
     g = "gcloud"
     steps = {
@@ -284,6 +291,7 @@ def _fake_home(tmp_path):
     return home
 
 
+@pytest.mark.tier1
 def test_gcloud_run_reaches_every_worker_with_the_arguments_and_a_coordinator(tmp_path):
     _gcloud(tmp_path, "run", *WHERE, "--log-name", "r1", "--", *TRAIN_ARGS)
     describe, ssh = [c["argv"] for c in _calls(tmp_path / "calls.jsonl")]
@@ -299,6 +307,7 @@ def test_gcloud_run_reaches_every_worker_with_the_arguments_and_a_coordinator(tm
     assert (home / "recloss_logs" / "r1.log").read_text() == "trained\n"
 
 
+@pytest.mark.tier1
 def test_gcloud_run_on_one_worker_sets_no_coordinator_and_detach_records_the_pid(tmp_path):
     _gcloud(tmp_path, "run", *WHERE, "--detach", "configs/base.yml", "steps=2", workers=1)
     ssh = _calls(tmp_path / "calls.jsonl")[-1]["argv"]
@@ -316,6 +325,7 @@ def test_gcloud_run_on_one_worker_sets_no_coordinator_and_detach_records_the_pid
     assert 'kill $(cat "$HOME/recloss_logs/train.pid")' in _flag(_shown(stop.stderr)[0], "--command")
 
 
+@pytest.mark.tier1
 def test_gcloud_install_ships_the_source_tree_and_logs_come_back_per_worker(tmp_path):
     _gcloud(tmp_path, "install", *WHERE)
     scp, ssh = [c["argv"] for c in _calls(tmp_path / "calls.jsonl")]
@@ -334,6 +344,7 @@ def test_gcloud_install_ships_the_source_tree_and_logs_come_back_per_worker(tmp_
     assert _flag(logs, "--command") == 'cat "$HOME/recloss_logs/train.log"' and "--worker=all" in logs
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("args, message", [
     (["create", "--name", "p", "--zone", "z"], "--accelerator-type is required"),
     (["create", "--name", "p", "--zone", "z", "--accelerator-type", "v9x-8"], "no default --version for"),
@@ -354,7 +365,7 @@ def _help_flags(cmd, env):
     return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-zA-Z])\b", re.sub(r"\x1b\[[0-9;]*m", "", text)))
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
 def test_every_flag_the_scripts_pass_exists_in_gcloud_and_kubectl(tmp_path):
     """Each gcloud/kubectl command the scripts print, checked against that tool's own --help."""
     if shutil.which("gcloud") is None or shutil.which("kubectl") is None:
@@ -393,6 +404,7 @@ def _local(*args, timeout=120, env=None):
                           env=full_env, timeout=timeout)
 
 
+@pytest.mark.tier1
 def test_local_gives_each_process_its_id_devices_and_the_coordinator():
     show = ("import os; print('|'.join(os.environ.get(k, '-') for k in ('JAX_PROCESS_ID', 'JAX_NUM_PROCESSES', "
             "'JAX_COORDINATOR_ADDRESS', 'XLA_FLAGS', 'JAX_PLATFORMS')))")
@@ -413,6 +425,7 @@ def test_local_gives_each_process_its_id_devices_and_the_coordinator():
     assert res.stdout.count("[launch] process ") == 3
 
 
+@pytest.mark.tier1
 def test_local_stops_the_others_when_one_fails_and_returns_its_code(tmp_path):
     child = ("import os, sys, time; i = int(os.environ['JAX_PROCESS_ID']); "
              f"open(os.path.join({str(tmp_path)!r}, f'pid{{i}}'), 'w').write(str(os.getpid())); "
@@ -430,6 +443,7 @@ def test_local_stops_the_others_when_one_fails_and_returns_its_code(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.tier1
 def test_local_timeout_and_interrupt_stop_every_process(tmp_path):
     res = _local("-n", "2", "-d", "1", "--timeout", "1", "--grace", "2", "--exec", "--", sys.executable, "-c",
                  "import time; time.sleep(300)")
@@ -459,6 +473,7 @@ def test_local_timeout_and_interrupt_stop_every_process(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.tier1
 def test_local_sh_wrapper_passes_arguments_through():
     res = subprocess.run([str(LAUNCH / "local.sh"), "-n", "2", "-d", "1", "--exec", "--", sys.executable, "-c",
                           "import os, sys; print('hi', os.environ['JAX_PROCESS_ID'], sys.argv[1:])", "a b"],
@@ -467,6 +482,7 @@ def test_local_sh_wrapper_passes_arguments_through():
     assert "[p0] hi 0 ['a b']" in res.stdout and "[p1] hi 1 ['a b']" in res.stdout
 
 
+@pytest.mark.tier1
 def test_local_rejects_bad_counts():
     for args, message in ((["-n", "0"], "--num-processes must be >= 1, got 0"),
                           (["-d", "0"], "--devices-per-process must be >= 1, got 0"),
@@ -475,7 +491,7 @@ def test_local_rejects_bad_counts():
         assert res.returncode == 2 and message in res.stderr, res.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
 def test_two_processes_of_four_devices_train_like_one_of_eight(two_process_run, tmp_path, capsys):
     # 2 x 4: the command-line part of the shared run (tests/conftest.py `two_process_run`: launch/local.py
     # -n 2 -d 4, recloss-train on SYNTHETIC_TINY's (2, 2, 2) mesh); 1 x 8: the same command line here.
@@ -516,6 +532,7 @@ class _Init:
         self.calls.append(kwargs)
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("env, reason, kwargs", [
     ({}, None, None),
     ({"TPU_WORKER_HOSTNAMES": "h0"}, None, None),
@@ -541,6 +558,7 @@ def test_distributed_initialize_from_env(env, reason, kwargs):
         assert got == distributed.DistributedSetup(reason, kwargs) and init.calls == [kwargs]
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("env, message", [
     ({"RECLOSS_DISTRIBUTED": "maybe"}, "RECLOSS_DISTRIBUTED='maybe' is not one of"),
     ({"JAX_COORDINATOR_ADDRESS": "10.0.0.2"}, "'10.0.0.2' (JAX_COORDINATOR_ADDRESS) must be host:port"),

@@ -62,6 +62,7 @@ def _dense_sum(x, targets, weights, opts: recloss.LossOptions, v):
 
 
 # ------------------------------------------------------------------ config keys (no MaxText)
+@pytest.mark.tier1
 def test_loss_settings_map_config_keys():
     cfg = _config(loss="cutbce_pallas", loss_block_v=0, loss_block_n=64, vocab_reduction="sum",
                   label_smoothing=0.1, pos_weight=2.0, focal_gamma=1.0, focal_alpha=0.25, loss_threshold=0.5,
@@ -79,6 +80,7 @@ def test_loss_settings_map_config_keys():
     assert rm.loss_settings(types.SimpleNamespace(loss="cutbce"))[1] == recloss.LossOptions(reduction="sum")
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("overrides,match", [
     (dict(loss="cutbse"), r"'loss'='cutbse' is not a recloss strategy.*did you mean 'cutbce'"),
     (dict(label_smoothing=1.5), r"label_smoothing=1.5"),
@@ -106,12 +108,14 @@ def test_check_supported_errors(overrides, match):
     assert "\n" not in str(err.value)      # one line, naming the key and its value
 
 
+@pytest.mark.tier1
 def test_check_supported_accepts_defaults():
     rm.check_supported(_config())
     rm.check_supported(_config(loss="cutbce_pallas", final_logits_soft_cap=0.0, loss_batch_axes=["data"],
                                loss_vocab_axis="tensor"))
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("loss", ["cutbce", "cutce"])
 def test_final_logits_soft_cap_is_the_logit_soft_cap_where_maxtext_applies_it(loss):
     settings = lambda **kw: rm.loss_settings(_config(loss=loss, **kw))[1].logit_soft_cap
@@ -127,6 +131,7 @@ def test_final_logits_soft_cap_is_the_logit_soft_cap_where_maxtext_applies_it(lo
     assert "logit_soft_cap" in rm.OPTION_KEYS
 
 
+@pytest.mark.tier1
 def test_config_class_on_a_pydantic_base():
     pydantic = pytest.importorskip("pydantic", reason="pydantic is not installed (MaxText's config needs it)")
 
@@ -220,6 +225,7 @@ def _capped(x, cap):
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("tied,num_labels,overrides,cap", [
     (False, None, dict(loss="cutbce", loss_block_v=16, label_smoothing=0.1), None),
     (True, None, dict(loss="dense_bce", pos_weight=2.0), None),
@@ -266,6 +272,7 @@ def test_vocab_loss_matches_dense_bce_of_the_output_head(rng, tied, num_labels, 
 
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("loss", ["sampled_softmax", "gbce"])
 def test_sampled_vocab_loss_draws_its_negatives_from_the_decoder_rng_state(rng, loss):
     # MaxText keeps its randomness as NNX RNG state (decoder.rngs, a train-state count advanced by every
@@ -309,6 +316,7 @@ def test_sampled_vocab_loss_draws_its_negatives_from_the_decoder_rng_state(rng, 
         rm.loss_from_hidden(hidden, model.decoder.logits_dense.kernel[...].T, data, cfg)
 
 
+@pytest.mark.tier1
 def test_pallas_loss_on_a_tpu_mesh_runs_the_kernel_and_asks_for_loss_batch_axes(rng):
     # Compiling for a TPU topology on a CPU host (MaxText's train_compile): jax.default_backend() is
     # 'cpu', the mesh is TPU. The kernel must not fall back to interpret mode there, and XLA cannot
@@ -327,6 +335,7 @@ def test_pallas_loss_on_a_tpu_mesh_runs_the_kernel_and_asks_for_loss_batch_axes(
     rm.loss_from_hidden(hidden, table, data, _config(loss="cutce_pallas", loss_interpret=True), mesh=tpu(8))
     rm.loss_from_hidden(hidden, table, data, _config(loss="cutce"), mesh=tpu(8))
 
+@pytest.mark.tier1
 def test_loss_from_hidden_with_mesh_layout(rng):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
     cfg = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor")
@@ -376,6 +385,7 @@ def _token_ce(x, targets, mask, z_loss=0.0):
     return jnp.sum(ce * (mask != 0))
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("loss", SOFTMAX)
 @pytest.mark.parametrize("tied,overrides,z,cap", [
     (False, dict(loss_block_v=16), 0.0, None),
@@ -418,6 +428,7 @@ def test_softmax_vocab_loss_is_maxtext_token_cross_entropy(rng, loss, tied, over
     _grad_close(g_ours[1], g_ref[1])
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("loss", SOFTMAX)
 def test_softmax_loss_fn_is_maxtext_mean_token_cross_entropy(rng, monkeypatch, loss):
     # MaxText's loss_fn divides xent_sum by the mask's token count: the mean of optax's CE over the mask.
@@ -443,6 +454,7 @@ def test_softmax_loss_fn_is_maxtext_mean_token_cross_entropy(rng, monkeypatch, l
     assert float(jnp.abs(grads.decoder.logits_dense.kernel[...]).sum()) > 0
 
 
+@pytest.mark.tier1
 def test_loss_fn_reports_the_z_loss_apart_and_keeps_the_total(rng, monkeypatch):
     # The hook's second value is Σ w·λ·Z² (MaxText's learning/z_loss, after its normalisation); the
     # loss is xent_sum / Σ w with λ·Z² inside xent_sum once, as in MaxText's own cross-entropy.
@@ -467,6 +479,7 @@ def test_loss_fn_reports_the_z_loss_apart_and_keeps_the_total(rng, monkeypatch):
     assert float(bce_aux["z_loss"]) == 0.0
 
 
+@pytest.mark.tier1
 def test_softmax_config_keys_and_errors():
     assert {"z_loss", "temperature"} <= set(rm.OPTION_KEYS)
     assert rm.loss_settings(_config(loss="cutce", z_loss=1e-4, temperature=2.0)) == \
@@ -493,6 +506,7 @@ def test_softmax_config_keys_and_errors():
 
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("overrides,match", [
     (dict(loss="gbce", num_negatives=0), r"'num_negatives'=0 is rejected: .*expected an int >= 1"),
     (dict(loss="sampled_softmax", num_negatives=65, vocab_size=64), r"num_negatives=65: .*at most vocab_size=64"),
@@ -506,6 +520,7 @@ def test_sampled_config_errors_name_the_key(overrides, match):
         rm.check_supported(_config(**overrides))
     rm.check_supported(_config(loss="gbce", num_negatives=64, vocab_size=64))        # K = V is fine
 
+@pytest.mark.tier1
 def test_softmax_config_class_on_a_pydantic_base():
     pydantic = pytest.importorskip("pydantic", reason="pydantic is not installed (MaxText's config needs it)")
 
@@ -545,6 +560,7 @@ def _fake_train_module(call_hook=True):
     return mod
 
 
+@pytest.mark.tier1
 def test_loss_fn_runs_maxtext_loss_with_the_recloss_hook(rng, monkeypatch):
     train = _fake_train_module()
     original_hook, original_loss_fn = train.vocab_tiling_nnx_loss, train.loss_fn
@@ -584,6 +600,7 @@ def test_loss_fn_runs_maxtext_loss_with_the_recloss_hook(rng, monkeypatch):
         rm.loss_fn(model, _config(num_vocab_tiling=1), dict(data), None, None)
 
 
+@pytest.mark.tier1
 def test_loss_fn_fails_loudly_when_the_hook_is_not_called(rng, monkeypatch):
     monkeypatch.setattr(rm_loss, "train_module", lambda: _fake_train_module(call_hook=False))
     model = _Model(40, 8, nnx.Rngs(0))
@@ -592,6 +609,7 @@ def test_loss_fn_fails_loudly_when_the_hook_is_not_called(rng, monkeypatch):
         rm.loss_fn(model, _config(), data, None, None)
 
 
+@pytest.mark.tier1
 def test_targets_shape_error(rng):
     model = _Model(40, 8, nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"data\['targets'\] must be"):
@@ -625,6 +643,8 @@ def _initialize(maxtext, *overrides):
                                        config_class=rm.config_class())
 
 
+@pytest.mark.tier2
+@pytest.mark.stack
 def test_maxtext_pyconfig_accepts_recloss_keys(maxtext):
     cfg = _initialize(maxtext, "num_vocab_tiling=2", "loss=cutbce_pallas", "loss_block_v=512",
                       "label_smoothing=0.05", "focal_alpha=0.25", "loss_batch_axes=[data,fsdp]")
@@ -640,6 +660,8 @@ def test_maxtext_pyconfig_accepts_recloss_keys(maxtext):
         _initialize(maxtext, "loss=cutbce")  # base.yml has num_vocab_tiling=1
 
 
+@pytest.mark.tier2
+@pytest.mark.stack
 def test_maxtext_pyconfig_soft_cap_keys_and_errors(maxtext):
     cfg = _initialize(maxtext, "num_vocab_tiling=2", "loss=cutce", "logit_soft_cap=30")
     assert cfg.logit_soft_cap == 30.0 and rm.loss_settings(cfg)[1].logit_soft_cap == 30.0
@@ -662,7 +684,8 @@ def test_maxtext_pyconfig_soft_cap_keys_and_errors(maxtext):
         maxtext.pyconfig.initialize(["", maxtext.base_yml, *TINY, "loss=cutbce"])  # MaxText's own class
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
+@pytest.mark.stack
 @pytest.mark.parametrize("overrides", [
     ("loss=cutbce", "label_smoothing=0.1", "loss_block_v=16"),
     ("loss=dense_bce", "logits_via_embedding=true", "pos_weight=2.0"),
@@ -707,7 +730,8 @@ def test_maxtext_loss_and_grads_match_bce_of_maxtext_logits(maxtext, rng, overri
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
+@pytest.mark.stack
 @pytest.mark.parametrize("overrides", [
     ("loss=cutce", "loss_block_v=16"),
     ("loss=cutce", "z_loss_multiplier=1e-4", "logits_via_embedding=true"),
@@ -753,6 +777,8 @@ def test_maxtext_softmax_loss_and_grads_match_maxtext_own_cross_entropy(maxtext,
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.tier2
+@pytest.mark.stack
 def test_maxtext_install_replaces_train_loss_fn(maxtext):
     train = pytest.importorskip("maxtext.trainers.pre_train.train")
     original = train.loss_fn
@@ -765,7 +791,8 @@ def test_maxtext_install_replaces_train_loss_fn(maxtext):
 
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
+@pytest.mark.stack
 def test_maxtext_training_loop_runs_the_recloss_loss(maxtext, monkeypatch, tmp_path):
     from recloss_plugins.maxtext import train as rm_train
     train = pytest.importorskip("maxtext.trainers.pre_train.train")
@@ -784,7 +811,8 @@ def _metrics(path):
     return [r for r in sorted(rows, key=lambda r: r["step"])]
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
+@pytest.mark.stack
 @pytest.mark.parametrize("loss, overrides", [
     ("cutce", ("z_loss_multiplier=1e-2",)),
     ("cutce", ("z_loss_multiplier=1e-2", "logits_via_embedding=true", "final_logits_soft_cap=0.5",
@@ -826,7 +854,8 @@ def test_maxtext_two_training_steps_log_what_maxtext_own_loss_logs(maxtext, rng,
         assert g["learning/z_loss"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
+@pytest.mark.stack
 def test_maxtext_sampled_loss_draws_new_negatives_each_step_and_the_same_after_a_resume(maxtext, rng, tmp_path):
     # learning_rate=0 and MaxText's synthetic data (the same batch every step; MaxText's own loss is
     # constant then): a sampled loss moves from step to step only through its negatives. A run stopped

@@ -23,6 +23,7 @@ TINY = ["run_name=recloss_compile", "enable_checkpointing=false", "base_emb_dim=
         "compile_topology=v6e-8", "compile_topology_num_slices=1"]
 
 
+@pytest.mark.tier1
 def test_loss_argument_is_the_last_loss_key():
     assert mc.loss_argument(["prog", "base.yml", "steps=2"]) is None
     assert mc.loss_argument(["prog", "base.yml", "loss=cutce", "loss=cutce_pallas"]) == "cutce_pallas"
@@ -58,7 +59,7 @@ def _run(*args):
     return lines[0], run.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
 def test_compiles_maxtext_with_and_without_the_recloss_loss(base_yml):
     """Plain MaxText, then the recloss loss (whose loss_fn raises if MaxText's step never called its
     hook, so a 0 exit means the recloss loss was compiled into the step)."""
@@ -76,7 +77,7 @@ def test_compiles_maxtext_with_and_without_the_recloss_loss(base_yml):
     assert "unexpected worker hostname" not in err, err[-2000:]
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
 def test_a_pallas_loss_without_loss_batch_axes_says_what_to_set(base_yml):
     run = _process(base_yml, *TINY, "loss=cutce_pallas", "num_vocab_tiling=2")
     assert run.returncode != 0

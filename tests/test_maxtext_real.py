@@ -16,6 +16,8 @@ import pytest
 from recloss_plugins import maxtext as rm
 from recloss_plugins.maxtext import loss as rm_loss
 
+pytestmark = [pytest.mark.tier2, pytest.mark.stack]
+
 REQUIRED = os.environ.get("RECLOSS_REQUIRE_MAXTEXT") == "1"
 
 

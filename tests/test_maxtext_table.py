@@ -7,6 +7,8 @@ import pytest
 
 from recloss_plugins.maxtext import table as mt
 
+pytestmark = pytest.mark.tier1
+
 
 def test_parse_output_ok_oom_and_error():
     ok = mt.parse_output("I1204 noise\nrecloss-maxtext-compile: per-chip HBM 5.214 GiB (temporaries 2.118 GiB), "

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from recloss import metrics
+
+pytestmark = pytest.mark.tier1
 
 
 def _dense_case(seed=0, m=37, v=53, l=6):

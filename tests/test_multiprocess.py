@@ -27,6 +27,8 @@ import recloss
 from _multiprocess_worker import AXES, MESH_SHAPE, TIMEOUT_S, grain_args, loss_and_grads, make_inputs
 from conftest import xla_flags
 
+pytestmark = pytest.mark.tier2
+
 WORKER = Path(__file__).with_name("_multiprocess_worker.py")
 
 
@@ -35,7 +37,6 @@ def _rel(got, ref):
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-@pytest.mark.slow
 def test_two_processes_match_one_process(two_process_run):
     two_process_run.check()
     got = np.load(two_process_run.dir / "result.npz")
@@ -88,7 +89,6 @@ def _params(path):
         return {k: z[k] for k in z.files}
 
 
-@pytest.mark.slow
 def test_grain_two_processes_train_like_one_and_read_only_their_shards(two_process_run, grain_job):
     import json
     _, _, ref = grain_job
@@ -125,7 +125,6 @@ def test_grain_two_processes_train_like_one_and_read_only_their_shards(two_proce
             assert abs(got["evals"][name][k] - v) <= 1.0 / ref.evals[name]["users"] + 1e-9, (name, k)
 
 
-@pytest.mark.slow
 def test_grain_kill_9_mid_epoch_then_resume_gives_the_uninterrupted_parameters(grain_job):
     import json
     from recloss_plugins.config import load_config
@@ -160,7 +159,6 @@ def _grain_launch_processes(args, out, n, d, *extra):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S + 60, env=env, cwd=out)
 
 
-@pytest.mark.slow
 def test_grain_kill_9_on_2_processes_then_resume_on_1_and_on_4_continues_the_same_run(grain_job):
     """2 processes x 4 devices, kill -9 after the step-4 checkpoint; the run resumed as 1 x 8 and as
     4 x 2 restores exactly the saved parameters onto its own mesh, continues the same global batches

@@ -17,6 +17,8 @@ from helpers import strategies
 from recloss import registry
 from recloss.bce.strategies import CutBCE, DenseBCE
 
+pytestmark = pytest.mark.tier1
+
 STRATEGIES = strategies()
 B, N, V, D, L = 2, 5, 50, 8, 3
 

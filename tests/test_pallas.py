@@ -21,7 +21,7 @@ from recloss.bce.strategies import CutBCEPallas
 from recloss.pallas import tiling
 from recloss.shard import VocabShard
 
-pytestmark = pytest.mark.filterwarnings("ignore:strategy 'cutbce_pallas' is running")
+pytestmark = [pytest.mark.tier1, pytest.mark.filterwarnings("ignore:strategy 'cutbce_pallas' is running")]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -242,7 +242,6 @@ def test_logit_soft_cap_costs_one_tanh_per_logit(rng):
     assert capped.flops == plain.flops and capped.transcendentals == plain.transcendentals + 16 * 200
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() == "tpu", reason="the race detector runs the CPU interpreter")
 def test_detect_races_two_cores(rng):
     pltpu = pytest.importorskip("jax.experimental.pallas.tpu")

@@ -18,7 +18,7 @@ import importlib.util
 import pytest
 
 pytestmark = [
-    pytest.mark.tpu_aot, pytest.mark.slow,
+    pytest.mark.tier2, pytest.mark.tpu_aot,
     pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                        reason="libtpu is not importable (pip install 'jax[tpu]'): no TPU AOT compiler"),
 ]

@@ -17,6 +17,8 @@ from recloss_plugins.sasrec.data import pipeline as G
 from recloss_plugins.sasrec.data import prepare as P
 from recloss_plugins.sasrec.data import shards as S
 
+pytestmark = pytest.mark.tier1
+
 
 def _log(rng, n_events, n_users, n_items, string_users=False):
     users = (rng.random(n_events) ** 2 * n_users).astype(np.int64)   # skewed: some users fall below the filter

@@ -23,6 +23,8 @@ from recloss_plugins.sasrec.data import pipeline as G
 from recloss_plugins.sasrec.data import prepare as P
 from recloss_plugins.sasrec.data import shards as S
 
+pytestmark = pytest.mark.tier1
+
 
 def _write_log(rng, path, n=3000):
     users = rng.integers(0, 90, n)

@@ -9,7 +9,11 @@ import contextlib
 import io
 import pathlib
 
+import pytest
+
 from helpers import python_blocks
+
+pytestmark = pytest.mark.tier2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FLAX_PAGE = ROOT / "docs" / "flax.md"

@@ -26,6 +26,8 @@ from helpers import (SOFTMAX_OPTIONS, assert_matches, compiled_loss_grad, hlo_co
 from oracle import bce_oracle
 from recloss import targets as targets_lib
 
+pytestmark = pytest.mark.tier1
+
 BCE_OPTIONS = dict(label_smoothing=0.1, pos_weight=1.7, focal_gamma=1.5, focal_alpha=0.3, threshold=0.25,
                    block_v=40, block_n=8)
 RING_MESHES = [(1, 8, 1), (2, 4, 1), (1, 4, 2)]
@@ -109,7 +111,6 @@ def test_cutbce_rows_per_row_loss(rng):
                   **dict(BCE_OPTIONS, vocab_size=V))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("gather", ["ring", "rows"])
 @pytest.mark.parametrize("strategy,objective", [("cutbce_pallas", "bce"), ("cutce_pallas", "softmax")])
 def test_pallas_ring_equals_single_device(strategy, objective, gather, rng):

@@ -23,6 +23,7 @@ def _summary():
     return json.loads((figures.FIGURES_DIR / TABLE.file).read_text())
 
 
+@pytest.mark.tier1
 def test_input_bench_table_renders_its_results_file(tmp_path):
     data = _summary()
     data["read"][0]["sequences_per_s"] = 12345.6
@@ -43,6 +44,7 @@ def test_input_bench_table_renders_its_results_file(tmp_path):
         figures.render("<!-- figures:nope run -->\n<!-- /figures:nope -->")
 
 
+@pytest.mark.tier1
 def test_input_bench_summary_says_how_far_input_outpaces_training():
     data = _summary()
     text = input_bench.format_summary(data)
@@ -52,6 +54,7 @@ def test_input_bench_summary_says_how_far_input_outpaces_training():
     assert ("data_pipeline=memory" in text) == bool(data.get("train_memory"))
 
 
+@pytest.mark.tier2
 def test_the_rate_the_bench_reads_is_the_one_the_trainer_logs(tmp_path):
     tiny = ["synthetic_num_users=48", "synthetic_num_items=255", "synthetic_min_len=20", "synthetic_max_len=30",
             "num_labels=4", "max_seq_len=8", "global_batch_size=16", "emb_dim=16", "num_layers=1", "num_heads=2",
@@ -64,6 +67,7 @@ def test_the_rate_the_bench_reads_is_the_one_the_trainer_logs(tmp_path):
     assert len(rates) == 3 and all(r > 0 for r in rates), lines
 
 
+@pytest.mark.tier1
 def test_the_docs_run_blocks_are_known_tables():
     """Every run table is on a page (a guide or the README), and every page's run block names one."""
     root = os.path.join(os.path.dirname(__file__), os.pardir, "docs")
@@ -76,6 +80,7 @@ def test_the_docs_run_blocks_are_known_tables():
     assert found == set(figures.RUN_TABLES), found
 
 
+@pytest.mark.tier2
 def test_quality_table_is_what_the_run_printed(tmp_path, monkeypatch, capsys):
     """`quality --json` keeps what the table needs: the docs render the table the run printed."""
     from recloss_plugins.sasrec import quality
@@ -95,6 +100,7 @@ def test_quality_table_is_what_the_run_printed(tmp_path, monkeypatch, capsys):
     assert data["info"]["config"][0] == "configs/base.yml"
 
 
+@pytest.mark.tier1
 def test_readme_run_blocks_are_what_their_results_files_render():
     text = figures.README.read_text()
     assert "<!-- figures:prepare-ids run -->" in text
@@ -103,6 +109,7 @@ def test_readme_run_blocks_are_what_their_results_files_render():
     assert figures.main(["--check"]) == 0
 
 
+@pytest.mark.tier1
 def test_prepare_table_gives_both_rates_and_every_pair(tmp_path):
     summary = "prepared /x: 7 users, 5 items, 40 interactions (of 50 events read), 2 shards, 0.1 MiB, {}s"
     runs = lambda secs: [{"seconds": x, "wall_s": x + 2, "peak_rss_mib": 100 + x, "summary": summary.format(x)}
@@ -118,6 +125,7 @@ def test_prepare_table_gives_both_rates_and_every_pair(tmp_path):
     assert "DIFFER: 6 users, 5 items, 40 interactions (of 50 events read); 7 users" in input_bench.format_prepare(out)
 
 
+@pytest.mark.tier2
 def test_quality_sweep_reports_each_rows_run_best_on_dev(tmp_path, monkeypatch, capsys):
     """`quality --sweep KEY=V1,V2`: each row trains once per value its loss takes and reports the run
     with the best dev NDCG; a key the loss does not take (temperature for a BCE loss) is left out."""

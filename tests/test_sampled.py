@@ -18,6 +18,8 @@ from helpers import assert_close, CANCEL_FLOOR, make_inputs, make_layout, rel, s
 from oracle import f64, sampled_oracle
 from recloss.sampled import sampler
 
+pytestmark = pytest.mark.tier1
+
 STRATEGIES = ("sampled_softmax", "gbce")
 
 

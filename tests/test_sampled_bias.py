@@ -29,6 +29,7 @@ def _rows(case, seed, **kw):
                                 key=jax.random.key(seed), vocab_size=V, **kw)
 
 
+@pytest.mark.tier1
 def test_the_estimator_converges_as_k_grows(rng, seed):
     case = _case(rng)
     rows = _rows(case, seed, num_negatives=(2, V, 16 * V), draws=32, remove_accidental_hits=False)
@@ -46,6 +47,7 @@ def test_the_estimator_converges_as_k_grows(rng, seed):
     assert all(r["exact_loss"] == rows[0]["exact_loss"] > 0 for r in rows)
 
 
+@pytest.mark.tier1
 def test_removing_accidental_hits_leaves_a_bias_that_no_k_removes(rng, seed):
     """With hits removed, each target's partition misses the mass of the row's targets, and its own
     term is exp(x_t)/(K·q_t) -> 0: the limit is not the softmax gradient (docs/choosing-a-loss.md)."""
@@ -55,6 +57,7 @@ def test_removing_accidental_hits_leaves_a_bias_that_no_k_removes(rng, seed):
     assert removed["cos_dA"] < kept["cos_dA"] and removed["cos_dE"] < kept["cos_dE"], (removed, kept)
 
 
+@pytest.mark.tier1
 def test_per_draw_figures_are_sampled_losss_own(rng, seed):
     case = _case(rng)
     key, k = jax.random.key(seed), 11
@@ -97,6 +100,7 @@ def test_per_draw_figures_are_sampled_losss_own(rng, seed):
     assert g["loss_offset"] == 0.0 and g["loss_gap"] == g["loss"] - g["exact_loss"]
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(draws=1), "draws=1 is invalid: expected an int >= 2"),
     (dict(num_negatives=(4, 0)), "num_negatives=[4, 0] is invalid: expected one or more Ks >= 1"),
@@ -109,6 +113,7 @@ def test_bad_input_is_a_named_error(rng, kwargs, fragment):
     assert fragment in str(info.value), str(info.value)
 
 
+@pytest.mark.tier2
 def test_the_trainer_command_measures_its_own_trained_model(tmp_path, capsys):
     """`python -m recloss_plugins.sasrec.sampled_bias CONFIG ...`: train, then both proposals and both
     hit rules for each K on the trained SASRec's first batch, printed as recloss-bench's table."""

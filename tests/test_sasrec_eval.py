@@ -8,6 +8,8 @@ import pytest
 
 from recloss_plugins.sasrec import eval as E
 
+pytestmark = pytest.mark.tier1
+
 
 def _dense_top_k(h, e, b, k, vocab_size, pad_id=0):
     s = h.astype(np.float64) @ e.astype(np.float64).T

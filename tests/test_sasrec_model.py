@@ -3,9 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from recloss_plugins.sasrec.model import SASRec
+
+pytestmark = pytest.mark.tier1
 
 
 @nnx.jit

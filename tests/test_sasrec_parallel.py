@@ -14,6 +14,7 @@ def _cfg(*extra):
     return load_config([str(default_config_path()), *extra])
 
 
+@pytest.mark.tier1
 def test_mesh_shape_fills_minus_one_and_rejects_bad_products():
     assert parallel.mesh_shape(_cfg(), 8) == ((8, 1, 1), (1, 1, 1))
     cfg = _cfg("ici_data_parallelism=2", "ici_fsdp_parallelism=-1", "ici_vocab_parallelism=2")
@@ -27,6 +28,7 @@ def test_mesh_shape_fills_minus_one_and_rejects_bad_products():
         parallel.mesh_shape(_cfg("ici_fsdp_parallelism=3"), 8)
 
 
+@pytest.mark.tier1
 def test_build_mesh_on_cpu_devices_and_param_specs():
     import recloss
     cfg = _cfg("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_vocab_parallelism=2")
@@ -47,6 +49,7 @@ def test_build_mesh_on_cpu_devices_and_param_specs():
     assert got["blocks"][0]["odd"]["kernel"] == P()          # 3 rows do not split over fsdp=2
 
 
+@pytest.mark.tier1
 def test_model_batch_axes_take_the_vocab_axis_when_the_batch_divides():
     """The batch (and so the model) is split over the vocab axis too when the global batch divides over
     data × fsdp × vocab; otherwise the model runs replicated over it and the run log says why."""
@@ -66,6 +69,7 @@ def test_model_batch_axes_take_the_vocab_axis_when_the_batch_divides():
     assert parallel.describe_model_split(no_vocab, ("data", "fsdp"), 16) == "model: batch split over ('data', 'fsdp') (8 ways)"
 
 
+@pytest.mark.tier1
 def test_topology_names():
     assert parallel.topology_name("v6e-8") == "v6e:2x4"
     assert parallel.topology_name("v5litepod-16") == "v5e:4x4"
@@ -78,6 +82,7 @@ def test_topology_names():
         parallel.topology_name("v6e-12")
 
 
+@pytest.mark.tier1
 def test_multihost_detection_is_env_driven():
     requested = distributed.requested
     assert not requested({})
@@ -91,6 +96,7 @@ def test_multihost_detection_is_env_driven():
     assert distributed.initialize_from_env({}) is None
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("slope, fixed, budget, unit, start", [
     (1.0, 0.0, 100, 8, 64), (1.0, 0.0, 7, 8, 64), (1.0, 0.0, 64, 8, 64), (3.0, 50.0, 3000, 16, 16),
     (1.0, 0.0, 8, 8, 64), (0.5, 2.0, 127, 4, 4), (1.0, 0.0, 10**9, 8, 64)])
@@ -112,6 +118,7 @@ def test_largest_fitting_batch(slope, fixed, budget, unit, start, rng):
     assert len(calls) <= 16
 
 
+@pytest.mark.tier1
 def test_largest_fitting_batch_with_compile_ooms():
     # Above 1000 the "compiler" refuses (inf); the answer is still found by bisection.
     measure = lambda b: float("inf") if b > 1000 else 2.0 * b
@@ -123,7 +130,7 @@ def test_largest_fitting_batch_with_compile_ooms():
     assert aot.compile_oom(ValueError("shapes do not match")) is None
 
 
-@pytest.mark.slow
+@pytest.mark.tier2
 @pytest.mark.tpu_aot
 def test_aot_compile_for_v6e_cutbce_uses_less_hbm_than_dense():
     # Large enough that dense logits dominate: 8 x 128 x 65,536 x 4 B = 256 MiB per chip each.

@@ -31,12 +31,11 @@ def _cases():
     for name in strategies():
         meshes = PALLAS_MESHES if "pallas" in name else MESHES
         for shape in meshes:
-            # Pallas interpret mode on CPU: ~20-30 s a case.
-            marks = [pytest.mark.slow] if "pallas" in name else []
-            yield pytest.param(name, shape, id=f"{name}-{'x'.join(map(str, shape))}", marks=marks)
+            yield pytest.param(name, shape, id=f"{name}-{'x'.join(map(str, shape))}")
 
 
 # ------------------------------------------------------------------------- numerics
+@pytest.mark.tier1
 @pytest.mark.parametrize("strategy,shape", list(_cases()))
 def test_sharded_equals_single_device(strategy, shape, rng):
     """V=1000 padded to padded_vocab_size rows, all options on, reductions 'mean' and 'none'."""
@@ -55,6 +54,7 @@ def test_sharded_equals_single_device(strategy, shape, rng):
     assert loss.shape == inputs["hidden"].shape[:-1]
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("strategy", strategies())
 def test_vocab_axis_named_tensor(strategy, rng):
     """A MaxText-style mesh whose vocab axis is 'tensor'; defaults otherwise, no bias, 'sum'."""
@@ -63,6 +63,7 @@ def test_vocab_axis_named_tensor(strategy, rng):
     assert_matches(strategy, inputs, layout, reduction="sum", vocab_reduction="sum")
 
 
+@pytest.mark.tier1
 def test_layout_without_roles_and_extra_axis(rng):
     """Roles set to None, and a mesh axis with no role (the loss is replicated over it)."""
     layout = make_layout((4, 2), names=("data", "stage"), batch_axes=("data",), fsdp_axis=None,
@@ -74,6 +75,7 @@ def test_layout_without_roles_and_extra_axis(rng):
     assert_matches("cutbce", inputs, layout, reduction="mean", vocab_size=1000, block_v=64)
 
 
+@pytest.mark.tier1
 def test_weight_gradient_matches(rng):
     """The weights enter through Σw (a psum): their gradient must also be exact."""
     layout = make_layout((2, 2, 2))
@@ -88,6 +90,7 @@ def test_weight_gradient_matches(rng):
     assert rel(got, ref) <= 1e-4
 
 
+@pytest.mark.tier1
 def test_presharded_inputs_keep_their_layout(rng):
     """Inputs placed with the layout's specs go in without resharding; grads come back in storage layout."""
     layout = make_layout((2, 2, 2))
@@ -107,6 +110,7 @@ def test_presharded_inputs_keep_their_layout(rng):
 
 
 # ------------------------------------------------------------------------- layout API
+@pytest.mark.tier1
 def test_layout_roles_and_sizes():
     layout = make_layout((2, 2, 2))
     assert layout.platform == "cpu"
@@ -117,6 +121,7 @@ def test_layout_roles_and_sizes():
     assert (one.batch_shards, one.vocab_shards, one.table_shards) == (8, 1, 1)
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("roles,match", [
     (dict(vocab_axis="tensor"), r"'tensor'.*\('data', 'fsdp', 'vocab'\)"),
     (dict(batch_axes=("data", "replica")), r"'replica'.*\('data', 'fsdp', 'vocab'\)"),
@@ -129,6 +134,7 @@ def test_layout_rejects_bad_roles(roles, match):
         make_layout((2, 2, 2), **roles)
 
 
+@pytest.mark.tier1
 def test_bad_shapes_name_the_problem(rng):
     layout = make_layout((4, 2, 1))
     inputs = make_inputs(rng, lead=(12,), V=1024, rows=1024)
@@ -140,6 +146,7 @@ def test_bad_shapes_name_the_problem(rng):
         recloss.bce_loss(inputs["hidden"], inputs["table"], inputs["targets"], layout=layout)
 
 
+@pytest.mark.tier1
 def test_padded_vocab_size():
     assert recloss.padded_vocab_size(1000) == 1024
     assert recloss.padded_vocab_size(1024) == 1024
@@ -153,6 +160,7 @@ def test_padded_vocab_size():
             recloss.padded_vocab_size(bad)
 
 
+@pytest.mark.tier1
 def test_default_specs():
     s = sharding.default_specs(make_layout((2, 2, 2)))
     assert isinstance(s, recloss.Specs)
@@ -168,6 +176,7 @@ def test_default_specs():
 
 # ------------------------------------------------------------------------- memory and HLO
 
+@pytest.mark.tier1
 def test_vocab_parallelism_splits_memory():
     M, V, D = 64, 100_000, 128
     mem = {}
@@ -183,6 +192,7 @@ def test_vocab_parallelism_splits_memory():
     assert mem["dense_bce", "vocab8"][1] <= mem["dense_bce", "single"][1] / 4
 
 
+@pytest.mark.tier1
 def test_fsdp_hlo_gathers_once_and_reduce_scatters():
     layout = make_layout((2, 4, 1))
     V, D = 4096, 128
@@ -205,8 +215,8 @@ def test_fsdp_hlo_gathers_once_and_reduce_scatters():
 
 # ------------------------------------------------------------------------- TPU ahead-of-time
 
+@pytest.mark.tier2
 @pytest.mark.tpu_aot
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy,shape", [
     pytest.param("cutbce_pallas", (8, 1, 1), id="cutbce_pallas-data8"),
     pytest.param("cutbce_pallas", (1, 8, 1), id="cutbce_pallas-fsdp8"),
@@ -259,6 +269,7 @@ def _manual_loss_and_grads(strategy, inputs, mesh, *, chunk_bytes, **opts):
     return fn(*args)
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("explicit", [False, True], ids=["Mesh", "make_mesh"])
 @pytest.mark.parametrize("strategy", ["cutbce", "dense_bce", "cutce", "dense_ce", "cutbce_pallas"])
 def test_manual_layout_inside_callers_shard_map(strategy, explicit, rng):
@@ -285,6 +296,7 @@ def test_manual_layout_inside_callers_shard_map(strategy, explicit, rng):
         assert rel(g, rg) <= 1e-4, (name, rel(g, rg))
 
 
+@pytest.mark.tier1
 def test_psum_in_place_keeps_one_buffer():
     """On 8 CPU devices: the chunked sum equals psum for every chunk size (one row, a remainder, one
     chunk, the whole array), and its compiled temporaries are one chunk, where psum's hold a second
@@ -312,6 +324,7 @@ def test_psum_in_place_keeps_one_buffer():
     assert chunked < whole and chunked <= one // 2, (chunked, whole)
 
 
+@pytest.mark.tier1
 def test_manual_layout_errors():
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "vocab"))
     with pytest.raises(ValueError, match=r"manual=True\) takes the whole table.*split 4 ways"):

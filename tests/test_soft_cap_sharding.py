@@ -14,6 +14,8 @@ import pytest
 import recloss
 from helpers import SOFTMAX_OPTIONS, assert_matches, make_inputs, make_layout, strategies
 
+pytestmark = pytest.mark.tier1
+
 # Every option of each objective at a non-default value; softmax strategies refuse label smoothing
 # with a cap (its ε/V·Σ_v x_v is a column sum of uncapped logits).
 BCE_OPTIONS = dict(label_smoothing=0.1, pos_weight=1.7, focal_gamma=1.5, focal_alpha=0.3, threshold=0.25,
@@ -24,8 +26,7 @@ CE_OPTIONS = {k: v for k, v in SOFTMAX_OPTIONS.items() if k != "label_smoothing"
 def _cases():
     for name in strategies() + strategies("softmax"):
         for gather in ("once", "ring") if name.startswith("cut") else ("once",):
-            marks = [pytest.mark.slow] if "pallas" in name else []    # interpret mode: slow
-            yield pytest.param(name, gather, id=f"{name}-{gather}", marks=marks)
+            yield pytest.param(name, gather, id=f"{name}-{gather}")
 
 
 @pytest.mark.parametrize("strategy,gather", list(_cases()))

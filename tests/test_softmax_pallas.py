@@ -24,7 +24,7 @@ from recloss.shard import VocabShard
 from recloss.softmax import cut, kernel, partition
 from recloss.softmax.strategies import CutCEPallas
 
-pytestmark = pytest.mark.filterwarnings("ignore:strategy 'cutce_pallas' is running")
+pytestmark = [pytest.mark.tier1, pytest.mark.filterwarnings("ignore:strategy 'cutce_pallas' is running")]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -264,7 +264,6 @@ def test_logit_soft_cap_in_the_kernels_against_the_oracle(rng, chip, block_n):
     assert not np.any(np.asarray(grads[1][263:])) and not np.any(np.asarray(grads[2][263:]))
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() == "tpu", reason="the race detector runs the CPU interpreter")
 def test_detect_races_two_cores(rng):
     pltpu = pytest.importorskip("jax.experimental.pallas.tpu")

@@ -11,6 +11,8 @@ import pytest
 import recloss
 from helpers import assert_matches, make_inputs, make_layout, SOFTMAX_OPTIONS, strategies
 
+pytestmark = pytest.mark.tier1
+
 # The BCE meshes, and a MaxText-style mesh whose vocab axis is called 'tensor'.
 MESHES = [((8, 1, 1), {}), ((1, 8, 1), {}), ((1, 1, 8), {}), ((2, 2, 2), {}), ((4, 1, 2), {}),
           ((2, 2, 2), dict(names=("data", "fsdp", "tensor"), vocab_axis="tensor"))]
@@ -19,9 +21,8 @@ MESHES = [((8, 1, 1), {}), ((1, 8, 1), {}), ((1, 1, 8), {}), ((2, 2, 2), {}), ((
 def _cases():
     for name in strategies("softmax"):
         for shape, roles in (MESHES if "pallas" not in name else [MESHES[2], MESHES[3]]):
-            marks = [pytest.mark.slow] if "pallas" in name else []
             tag = "x".join(map(str, shape)) + ("-tensor" if roles else "")
-            yield pytest.param(name, shape, roles, id=f"{name}-{tag}", marks=marks)
+            yield pytest.param(name, shape, roles, id=f"{name}-{tag}")
 
 
 @pytest.mark.parametrize("strategy,shape,roles", list(_cases()))

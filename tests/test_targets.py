@@ -10,6 +10,8 @@ import pytest
 
 from recloss import targets
 
+pytestmark = pytest.mark.tier1
+
 
 def _random_ids(rng, m, l, v, pad_id=-1):
     """[m, l] ids with duplicates, padding and out-of-range ids mixed in."""

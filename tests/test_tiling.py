@@ -7,6 +7,8 @@ import pytest
 import recloss
 from recloss.pallas import tiling
 
+pytestmark = pytest.mark.tier1
+
 
 @pytest.mark.parametrize("chip", sorted(tiling.CHIPS))
 def test_tiling_rules_and_budget(chip):

@@ -57,7 +57,8 @@ def _tiling_under(topo, mode, shape, **opts):
                                jnp.dtype(shape.dtype), recloss.LossOptions(**opts), bias=False, chip=chip)
 
 
-@pytest.mark.parametrize("topo", ["v5e-8", "v6e-8", "v5p-8"])
+@pytest.mark.parametrize("topo", [pytest.param("v5e-8", marks=pytest.mark.tier1), pytest.param("v6e-8", marks=pytest.mark.tier2),
+                                  pytest.param("v5p-8", marks=pytest.mark.tier2)])
 def test_pallas_paper_shape_fits_one_chip(topo):
     chip, t = _tiling_under(topo, ("bce", "fused"), PAPER)
     assert chip.name == CHIP_OF[topo]
@@ -73,7 +74,8 @@ def test_pallas_paper_shape_fits_one_chip(topo):
     assert ideal <= flops <= 1.01 * ideal
 
 
-@pytest.mark.parametrize("topo", ["v5e-8", "v6e-8", pytest.param("v5p-8", marks=pytest.mark.slow)])
+@pytest.mark.tier2
+@pytest.mark.parametrize("topo", ["v5e-8", "v6e-8", "v5p-8"])
 def test_dense_bce_needs_the_logits(topo):
     try:
         compiled = topology.compile_loss_grad("dense_bce", topo, PAPER)
@@ -85,6 +87,7 @@ def test_dense_bce_needs_the_logits(topo):
     assert ma.temp_size_in_bytes > 20 * GiB
 
 
+@pytest.mark.tier1
 def test_small_odd_shape_with_bias_and_all_options():
     # V below one block (a partial block larger than the array), D=37 padded to 128,
     # rows past vocab_size inert, focal terms, and the reduction='none' kernels.
@@ -97,6 +100,7 @@ def test_small_odd_shape_with_bias_and_all_options():
     assert len(_kernel_names(compiled)) == 1
 
 
+@pytest.mark.tier1
 def test_reduction_none_compiles_loss_and_grad_kernels():
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
@@ -121,7 +125,7 @@ def test_reduction_none_compiles_loss_and_grad_kernels():
     assert np.isclose(flops, ideal * 8 / 6, rtol=0.01)
 
 
-@pytest.mark.slow
+@pytest.mark.tier1
 @pytest.mark.parametrize("shape,label,chunked", [
     (PAPER._replace(dtype="bfloat16"), "bf16", False),
     (topology.Shape(16, 256, 256, 876_939), "D=256", False),
@@ -142,6 +146,7 @@ def test_pallas_other_shapes_v6e(shape, label, chunked):
     assert ideal <= flops <= 1.01 * ideal
 
 
+@pytest.mark.tier2
 def test_topology_rows_cells():
     rows = topology.topology_rows("v6e-8", ["dense_bce", "cutbce_pallas"],
                                   [topology.Shape(32, 128, 128, 876_939)])
@@ -156,8 +161,8 @@ def test_topology_rows_cells():
 
 
 # ----------------------------------------------------------------------------- softmax
-@pytest.mark.parametrize("topo", ["v5e-8", pytest.param("v6e-8", marks=pytest.mark.slow),
-                                  pytest.param("v5p-8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("topo", [pytest.param("v5e-8", marks=pytest.mark.tier1), pytest.param("v6e-8", marks=pytest.mark.tier2),
+                                  pytest.param("v5p-8", marks=pytest.mark.tier2)])
 def test_cutce_pallas_paper_shape_fits_one_chip(topo):
     for mode in (("softmax", "loss"), ("softmax", "grad")):
         chip, t = _tiling_under(topo, mode, PAPER)
@@ -172,8 +177,8 @@ def test_cutce_pallas_paper_shape_fits_one_chip(topo):
     assert ideal * 8 / 6 <= flops <= 1.01 * ideal * 8 / 6
 
 
-@pytest.mark.parametrize("topo", ["v5e-8", pytest.param("v6e-8", marks=pytest.mark.slow),
-                                  pytest.param("v5p-8", marks=pytest.mark.slow)])
+@pytest.mark.tier2
+@pytest.mark.parametrize("topo", ["v5e-8", "v6e-8", "v5p-8"])
 def test_dense_ce_needs_the_logits(topo):
     try:
         compiled = topology.compile_loss_grad("dense_ce", topo, PAPER)
@@ -185,6 +190,7 @@ def test_dense_ce_needs_the_logits(topo):
     assert ma.temp_size_in_bytes > 10 * GiB
 
 
+@pytest.mark.tier1
 def test_cutce_pallas_small_odd_shape_all_options():
     # V below one block, D=37 padded to 128, rows past vocab_size inert, bias, bf16, τ, z-loss,
     # no metrics (no argmax lanes), and reduction='none'.
@@ -197,6 +203,7 @@ def test_cutce_pallas_small_odd_shape_all_options():
     assert len(_kernel_names(compiled)) == 2
 
 
+@pytest.mark.tier2
 @pytest.mark.parametrize("strategy", ["cutbce", "cutce"])
 def test_blocked_strategies_hold_no_bf16_copy_of_a_float32_table(strategy):
     """At default precision TPU matmuls take bf16 operands, and XLA hoisted that convert out of the
@@ -213,6 +220,7 @@ def test_blocked_strategies_hold_no_bf16_copy_of_a_float32_table(strategy):
 
 
 # ----------------------------------------------------------------------------- dtypes and precision
+@pytest.mark.tier1
 @pytest.mark.parametrize("precision", [None, "high", "highest"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("strategy", ["cutbce_pallas", "cutce_pallas"])
@@ -227,6 +235,7 @@ def test_kernels_compile_for_every_input_dtype_under_every_matmul_precision(stra
     assert len(_kernel_names(compiled)) == (1 if strategy == "cutbce_pallas" else 2)
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize("strategy", ["cutbce_pallas", "cutce_pallas"])
 def test_no_layout_under_a_tpu_mesh_compiles_the_kernel_not_the_interpreter(strategy):
     # A Flax user's own AOT compile for a TPU topology on a CPU host: jax.default_backend() is 'cpu', but

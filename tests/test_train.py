@@ -19,6 +19,8 @@ from recloss_plugins.sasrec import data as D
 from recloss_plugins.sasrec.checkpoints import Checkpoints
 from recloss_plugins.sasrec.train import NonFiniteLossError, main, train
 
+pytestmark = pytest.mark.tier1
+
 TINY = [
     "synthetic_num_users=48", "synthetic_num_items=511", "synthetic_min_len=20", "synthetic_max_len=30",
     "synthetic_num_intents=4", "synthetic_intents_per_user=2", "num_labels=4", "max_seq_len=8",
@@ -192,7 +194,6 @@ def test_bfloat16_untied_run_learns(tmp_path):
     assert r.state["params"]["out_table"].dtype == np.float32
 
 
-@pytest.mark.slow
 def test_mesh_2x2x2_matches_one_device(tmp_path):
     assert len(jax.devices()) == 8
     # V = 512 = padded rows on both meshes, so both initialise the same table. The one-device
@@ -217,7 +218,6 @@ def test_mesh_2x2x2_matches_one_device(tmp_path):
     assert mesh.evals["test"]["hit@8"] == pytest.approx(one.evals["test"]["hit@8"], abs=1 / 48)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["loss=cutbce_pallas"], ["loss=cutce", "untie_embeddings=true"]],
                          ids=["tied-cutbce_pallas", "untied-cutce"])
 def test_data_parallel_step_by_hand_matches_one_device(tmp_path, extra):

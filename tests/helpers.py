@@ -7,6 +7,7 @@ Test modules import from here (and the float64 oracles from `oracle`), never fro
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Dict
 
@@ -158,18 +159,27 @@ SOFTMAX_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.7, block_
 
 def loss_and_grads(strategy, inputs, layout, cot=None, **opts):
     """(loss, metrics, grads of hidden/table[/bias]) of the strategy's entry point on `make_inputs`'s
-    ``inputs``, jitted; for reduction='none' the gradient is of Σ cot·loss."""
-    entry = recloss.softmax_loss if recloss.get_strategy(strategy).objective == "softmax" else recloss.bce_loss
+    ``inputs``, jitted; for reduction='none' the gradient is of Σ cot·loss.
 
-    def f(h, e, b):
-        out = entry(h, e, inputs["targets"], inputs["weights"], b, strategy=strategy, layout=layout,
-                    **options_for(strategy, opts))
-        return (out.loss if cot is None else jnp.sum(out.loss * cot)), out
-
-    argnums = (0, 1, 2) if inputs["bias"] is not None else (0, 1)
-    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True))(
-        inputs["hidden"], inputs["table"], inputs["bias"])
+    Every array is an argument of the jitted function, so the tests that run one strategy with the same
+    options and shapes (the single-device reference of each mesh, above all) share one compile."""
+    fn = _loss_and_grads_fn(strategy, layout, cot is not None, inputs["bias"] is not None,
+                            tuple(sorted(opts.items())))
+    (_, out), grads = fn(inputs["hidden"], inputs["table"], inputs["bias"], inputs["targets"], inputs["weights"],
+                         cot)
     return out.loss, out.metrics, grads
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_and_grads_fn(strategy, layout, with_cot: bool, with_bias: bool, opts: tuple):
+    entry = recloss.softmax_loss if recloss.get_strategy(strategy).objective == "softmax" else recloss.bce_loss
+    opts = options_for(strategy, dict(opts))
+
+    def f(h, e, b, targets, weights, cot):
+        out = entry(h, e, targets, weights, b, strategy=strategy, layout=layout, **opts)
+        return (out.loss if not with_cot else jnp.sum(out.loss * cot)), out
+
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2) if with_bias else (0, 1), has_aux=True))
 
 
 def assert_matches(strategy, inputs, layout, cot=None, **opts):

@@ -4,10 +4,12 @@ library can be compared for a refactor that must not change the program.
     python -m recloss.bench.hlo dump DIR      # one .hlo file per case, and the time each took
     python -m recloss.bench.hlo diff A B      # exit 1 naming each case whose program differs
 
-Cases: {cutbce, cutbce_pallas, cutce, cutce_pallas} × {defaults; bias + options; reduction='none'}
-× {CPU one device, CPU (2,2,2) data/fsdp/vocab, CPU (1,8,1) fsdp ring, one v6e chip (libtpu AOT,
-skipped without libtpu)}. Inputs are abstract (ShapeDtypeStruct) with odd sizes: M = 96 rows, D = 40,
-1,024 table rows of which 1,000 are the vocabulary in the options cases.
+Cases: {cutbce, cutbce_pallas, cutce, cutce_pallas, dense_bce, dense_ce, sampled_softmax} × {defaults;
+bias + options; reduction='none'} × {CPU one device, CPU (2,2,2) data/fsdp/vocab, CPU (1,8,1) fsdp ring,
+CPU (1,8,1) fsdp rows gather, one v6e chip (libtpu AOT, skipped without libtpu)}, each strategy on the
+fsdp gathers it takes (the dense and sampled ones: 'once'). Inputs are abstract (ShapeDtypeStruct) with
+odd sizes: M = 96 rows, D = 40, 1,024 table rows of which 1,000 are the vocabulary in the options cases;
+sampled_softmax draws its negatives from a fixed key.
 
 Normalised means: instruction and computation names renumbered by first appearance, ``metadata``,
 the stack-frame tables and a kernel's ``debug_locations`` (op names, source files and lines) dropped,
@@ -29,14 +31,17 @@ if __name__ == "__main__":   # before jax loads: eight CPU devices for the meshe
 
 from recloss.bench import topology
 
-STRATEGIES = ("cutbce", "cutbce_pallas", "cutce", "cutce_pallas")
+STRATEGIES = ("cutbce", "cutbce_pallas", "cutce", "cutce_pallas", "dense_bce", "dense_ce", "sampled_softmax")
 VARIANTS = ("defaults", "options", "rows")
-MESHES = ("cpu1", "cpu222", "ring181", "v6e1")
+# (CPU mesh shape, fsdp_gather) of the sharded cases; a strategy runs those whose gather it takes.
+SHARDED = {"cpu222": ((2, 2, 2), "once"), "ring181": ((1, 8, 1), "ring"), "rows181": ((1, 8, 1), "rows")}
+MESHES = ("cpu1", "cpu222", "ring181", "rows181", "v6e1")
 M, D, V, VOCAB = 96, 40, 1024, 1000
 
 _OPTIONS = {
     "bce": dict(label_smoothing=0.1, pos_weight=2.0, focal_gamma=2.0, focal_alpha=0.25, threshold=0.5),
     "softmax": dict(label_smoothing=0.1, z_loss=1e-4, temperature=0.7),
+    "sampled": dict(num_negatives=64, temperature=0.7, remove_accidental_hits=False),
 }
 
 
@@ -61,16 +66,17 @@ def compile_case(strategy: str, variant: str, mesh_name: str):
     import recloss
 
     objective, options, with_bias = _case_args(strategy, variant)
-    entry = recloss.softmax_loss if objective == "softmax" else recloss.bce_loss
+    entry = dict(bce=recloss.bce_loss, softmax=recloss.softmax_loss, sampled=recloss.sampled_loss)[objective]
+    inputs = dict(key=jax.random.key(0)) if objective == "sampled" else {}
     layout = None
     if mesh_name == "v6e1":
         mesh = topology.one_chip_mesh("v6e-8")      # under set_mesh below: Pallas strategies compile Mosaic
     elif mesh_name == "cpu1":
         mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("chip",))
     else:
-        shape = (2, 2, 2) if mesh_name == "cpu222" else (1, 8, 1)
+        shape, gather = SHARDED[mesh_name]
         mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(shape), ("data", "fsdp", "vocab"))
-        layout = recloss.MeshLayout(mesh, fsdp_gather="ring" if mesh_name == "ring181" else "once")
+        layout = recloss.MeshLayout(mesh, fsdp_gather=gather)
     rep = NamedSharding(mesh, P())
     args = [jax.ShapeDtypeStruct((M, D), jnp.float32, sharding=rep),
             jax.ShapeDtypeStruct((V, D), jnp.float32, sharding=rep),
@@ -80,7 +86,7 @@ def compile_case(strategy: str, variant: str, mesh_name: str):
 
     def loss(h, e, t, *maybe_bias):
         bias = maybe_bias[0] if maybe_bias else None
-        out = entry(h, e, t, None, bias, strategy=strategy, layout=layout, **options)
+        out = entry(h, e, t, None, bias, strategy=strategy, layout=layout, **inputs, **options)
         return jnp.sum(out.loss) + sum(jnp.sum(v) for v in out.metrics.values()) * 0.0
 
     argnums = (0, 1, 3) if with_bias else (0, 1)
@@ -155,8 +161,12 @@ def normalise(text: str) -> str:
 
 
 def cases():
+    import recloss
+
     for mesh in MESHES:
         for strategy in STRATEGIES:
+            if mesh in SHARDED and SHARDED[mesh][1] not in recloss.get_strategy(strategy).fsdp_gathers:
+                continue
             for variant in VARIANTS:
                 yield strategy, variant, mesh
 

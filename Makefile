@@ -65,32 +65,33 @@ bench-py312: $(STAMP312)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV312)/bin/recloss-bench $(BENCH_ARGS)
 
 # The per-chip HBM tables (README.md's headline, docs/benchmarks.md): one record per (jax, libtpu) stack, docs/figures/hbm/jax-<jax>_libtpu-<libtpu>.json,
-# written by `recloss-bench --topology ... --record docs/figures/hbm` on each leg (minutes of v6e compiles each),
+# written by `python -m tools.hbm_figures --topology ... --record docs/figures/hbm` on each leg (minutes of v6e compiles each;
+# tools/ is this repository's figure machinery, not shipped),
 # then rendered into README.md's marked block (the docs render theirs at build time). FIGURE_VENVS=.venv312 re-records one leg;
 # tests/test_figures.py checks the README against the records and recompiles a few rows against them.
 .PHONY: figures
 FIGURE_VENVS ?= $(VENV) $(VENV312)
 figures: $(addsuffix /.installed,$(FIGURE_VENVS))
 	for v in $(FIGURE_VENVS); do \
-	  JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $$v/bin/recloss-bench --topology v6e-8 --record docs/figures/hbm && \
-	  JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $$v/bin/recloss-bench --topology v6e-8 --objective softmax --shapes table2 \
-	    --record docs/figures/hbm || exit 1; \
+	  JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $$v/bin/python -m tools.hbm_figures --topology v6e-8 --record docs/figures/hbm && \
+	  JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $$v/bin/python -m tools.hbm_figures --topology v6e-8 --objective softmax \
+	    --shapes table2 --record docs/figures/hbm || exit 1; \
 	done
-	$(PY) -m recloss.bench.figures
+	$(PY) -m tools.figures
 
 # The pod-step tables (docs/sharding.md): the whole train step compiled per row, on each leg, into
 # docs/figures/pod/jax-<jax>_libtpu-<libtpu>.json (~1 min a row; tests/test_pod_step.py checks against them).
 .PHONY: pod-figures
 pod-figures: $(addsuffix /.installed,$(FIGURE_VENVS))
 	for v in $(FIGURE_VENVS); do \
-	  JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $$v/bin/python -m recloss_plugins.sasrec.pod_figures --record docs/figures/pod || exit 1; \
+	  JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $$v/bin/python -m tools.pod_figures --record docs/figures/pod || exit 1; \
 	done
 
 # The quality-vs-cost table (docs/choosing-a-loss.md): one recloss-train run per loss on the same
 # data, model, steps and seed. DATA=path/to/log.csv runs it on an interactions file instead of the
 # synthetic data; QUALITY_ARGS adds key=value overrides or --hbm (v6e-8 per-chip HBM per row).
 quality: $(STAMP)
-	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) -m recloss_plugins.sasrec.quality configs/base.yml \
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) -m tools.quality configs/base.yml \
 	  $(if $(DATA),dataset_type=interactions dataset_path=$(DATA)) $(QUALITY_ARGS)
 
 # The documentation site, offline, warnings as errors (-W -n: broken internal links and references fail).

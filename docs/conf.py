@@ -3,7 +3,7 @@
 `make docs` builds it offline into docs/_build/html with warnings as errors (`-W -n`): a broken
 internal link, a missing cross-reference or an unrendered figure fails the build. Benchmark tables
 are not typed into the pages: each ``<!-- figures:NAME stack=STACK -->`` block is filled at build
-time from the committed record file it names (docs/figures/, `recloss.bench.figures`).
+time from the committed record file it names (docs/figures/, `tools.figures`).
 """
 
 import sys

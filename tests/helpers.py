@@ -152,6 +152,25 @@ def make_inputs(rng, *, lead=(2, 8), D=16, V=1000, rows=1024, L=4, bias=True):
     return out
 
 
+def make_sampled_case(rng, *, lead=(3, 7), D=13, V=201, rows=256, L=4, scale=1.0, dtype=jnp.float32):
+    """The sampled objectives' inputs: hidden [*lead, D] (× ``scale``), table [rows, D], targets with
+    repeats, invalid ids, padding and an all-padding row, weights with zeros, bias [rows]."""
+    m = int(np.prod(lead))
+    t = rng.integers(0, V, size=(m, L))
+    u = rng.random((m, L))
+    t[:, 1:] = np.where(u[:, 1:] < 0.2, t[:, :-1], t[:, 1:])                  # repeats
+    t = np.where((u > 0.2) & (u < 0.3), V + rng.integers(0, rows - V + 20, size=(m, L)), t)   # invalid
+    t = np.where(u > 0.8, -1, t)                                              # padding
+    t[1] = -1                                                                 # an all-padding row
+    w = rng.uniform(0.1, 2.0, size=m)
+    w[rng.random(m) < 0.2] = 0.0
+    return dict(hidden=jnp.asarray(rng.normal(size=lead + (D,)) * scale, dtype),
+                table=jnp.asarray(rng.normal(size=(rows, D)) / np.sqrt(D), dtype),
+                targets=jnp.asarray(t.reshape(lead + (L,)), jnp.int32),
+                weights=jnp.asarray(w.reshape(lead), jnp.float32),
+                bias=jnp.asarray(rng.normal(-0.3, 0.5, size=rows), dtype))
+
+
 # ------------------------------------------------------------------------- sharded runs
 # Every softmax option at a non-default value, with small blocks (sharded and ring tests).
 SOFTMAX_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.7, block_v=128, block_n=8)

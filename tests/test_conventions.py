@@ -15,7 +15,7 @@
 Tolerances against the oracle are multiples of the compute dtype's eps (float32 accumulation)
 and, for the float16 gradients, of float16's eps (they are rounded to float16, and the blocked
 backward casts its logit cotangents to the input dtype before the matmuls); a result that
-cancels is judged against 1% of the size of its terms (`test_core.CANCEL_FLOOR`).
+cancels is judged against 1% of the size of its terms (`helpers.CANCEL_FLOOR`).
 Inputs are fresh random draws from the `rng` fixture (its seed is printed).
 """
 

@@ -1,8 +1,8 @@
 """The README's per-chip HBM figures: rendered from the committed records, and guarded on this stack.
 
-docs/figures/hbm/jax-<jax>_libtpu-<libtpu>.json holds the rows `recloss-bench --topology ...
+docs/figures/hbm/jax-<jax>_libtpu-<libtpu>.json holds the rows `python -m tools.hbm_figures --topology ...
 --record docs/figures/hbm` compiled on one (jax, libtpu) pair (`make figures` records both legs).
-The README's marked tables must be what `python -m recloss.bench.figures` renders from them, and
+The README's marked tables must be what `python -m tools.figures` renders from them, and
 the guard recompiles a few rows on the running stack and fails when temp or total HBM is more than
 5 % above the stored figure (AOT memory analysis is deterministic for a given libtpu).
 """
@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from recloss.bench import cli, figures
+from recloss.bench import cli
+from tools import figures, hbm_figures
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not importable (pip install 'jax[tpu]'): no TPU AOT compiler")
@@ -35,7 +36,7 @@ def test_readme_tables_are_rendered_from_the_records():
     assert "v6e-headline" in names, "README.md's headline table is a rendered block"
     rendered = figures.render_readme(text)
     assert rendered == text, ("README.md's per-chip HBM tables differ from docs/figures/hbm: "
-                              "run `python -m recloss.bench.figures` (and commit README.md)")
+                              "run `python -m tools.figures` (and commit README.md)")
 
 
 @pytest.mark.tier1
@@ -94,8 +95,8 @@ def test_a_stack_without_a_record_fails_with_the_recording_command(tmp_path, mon
         figures.guarded_records()
     text = str(err.value)
     assert "no per-chip HBM record for this stack" in text and figures.stack_id(figures.current_stack()) in text
-    assert "recloss-bench --topology v6e-8 --record docs/figures/hbm" in text
-    assert "recloss-bench --topology v6e-8 --objective softmax --shapes table2 --record docs/figures/hbm" in text
+    assert "python -m tools.hbm_figures --topology v6e-8 --record docs/figures/hbm" in text
+    assert "python -m tools.hbm_figures --topology v6e-8 --objective softmax --shapes table2 --record docs/figures/hbm" in text
     figures.record([_row()], "bce", tmp_path)       # a file without the guarded rows
     with pytest.raises(figures.RecordError, match="has no row for cutbce_pallas"):
         figures.guarded_records()
@@ -186,13 +187,31 @@ def test_guard_fails_on_growth_above_the_tolerance_against_a_record_it_builds(tm
 
 
 @pytest.mark.tier1
+def test_bad_record_paths_are_named_before_compiling(tmp_path, capsys):
+    """--record DIR: a file or an uncreatable directory fail at once, naming the path; no --topology is
+    a usage error."""
+    cases = [
+        (["--record", str(tmp_path)], "the following arguments are required: --topology"),
+        (["--topology", "v6e-8", "--record", str(tmp_path / "hbm.json")],
+         f"--record {tmp_path / 'hbm.json'}: expects a directory (the file name is chosen per stack: "),
+        (["--topology", "v6e-8", "--record", "/proc/no/such/dir"],
+         "--record /proc/no/such/dir: cannot create the directory"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            hbm_figures.main(argv)
+        assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.tier1
 @pytest.mark.tpu_aot
 @needs_libtpu
-def test_bench_record_writes_this_stacks_file(tmp_path, capsys):
+def test_hbm_record_writes_this_stacks_file(tmp_path, capsys):
     argv = ["--topology", "v6e-8", "--strategies", "cutbce_pallas", "--shapes", "2,8,128,1000",
             "--record", str(tmp_path)]
-    assert cli.main(argv) == 0
-    assert cli.main(argv[:-3] + ["2,8,128,1000;2,8,128,3000", "--record", str(tmp_path)]) == 0
+    assert hbm_figures.main(argv) == 0
+    assert hbm_figures.main(argv[:-3] + ["2,8,128,1000;2,8,128,3000", "--record", str(tmp_path)]) == 0
     data = figures.load(figures.record_file(records_dir=tmp_path))
     assert data["stack"] == figures.current_stack()
     rows = data["rows"]
@@ -273,7 +292,7 @@ def test_pod_record_merges_by_config_and_overrides(tmp_path):
 
 @pytest.mark.tier1
 def test_pod_figures_refuses_bad_arguments_before_compiling(tmp_path, capsys):
-    from recloss_plugins.sasrec import pod_figures
+    from tools import pod_figures
     with pytest.raises(SystemExit):
         pod_figures.main(["--record", str(tmp_path), "--only", "no such row"])
     assert "--only 'no such row' names no pod row (known: v6e-8 paper step, dense_bce;" in capsys.readouterr().err

@@ -1,11 +1,11 @@
-"""`recloss.bench.hlo`, the refactor check: the same program traced through differently named
+"""`tools.hlo`, the refactor check: the same program traced through differently named
 functions normalises to the same text, and a changed program does not."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from recloss.bench import hlo
+from tools import hlo
 
 pytestmark = pytest.mark.tier1
 

@@ -1,11 +1,11 @@
-"""recloss_plugins.maxtext.table: parsing a compile's output and the table it renders (no MaxText needed)."""
+"""tools.maxtext_table: parsing a compile's output and the table it renders (no MaxText needed)."""
 
 import argparse
 import re
 
 import pytest
 
-from recloss_plugins.maxtext import table as mt
+from tools import maxtext_table as mt
 
 pytestmark = pytest.mark.tier1
 

@@ -1,13 +1,13 @@
 """The whole SASRec train step compiled ahead of time for TPU pods: per-chip HBM against the record.
 
-The pinned rows of the docs' pod tables (`recloss.bench.figures.POD_TABLES`: the paper step on v6e-8
+The pinned rows of the docs' pod tables (`tools.figures.POD_TABLES`: the paper step on v6e-8
 data parallel, with the table over fsdp 8 with the ring and over 8 vocab shards; on v5e-256 a 10^7-item
 table over 8 vocab shards and over fsdp 8 with the ring and with the rows gathered, and a 10^8-item
 one over 64 vocab shards) are compiled as `recloss-train ... compile_topology=...` does
 and compared with this stack's record, ``docs/figures/pod/jax-<jax>_libtpu-<libtpu>.json``, the file
 docs/sharding.md renders its tables from. XLA's compile is deterministic for a given jax/libtpu, so
 a regression of more than 5 % fails; the largest buffers at the peak are printed
-(`recloss.bench.buffers`) so a failure says what grew. A stack with no record is held to the
+(`recloss.aot`) so a failure says what grew. A stack with no record is held to the
 worst recorded figure of each row.
 """
 
@@ -25,8 +25,9 @@ pytestmark = [
 
 import jax  # noqa: E402
 
-from recloss.bench import buffers, figures  # noqa: E402
-from recloss_plugins.sasrec import pod_figures  # noqa: E402
+from recloss import aot
+from tools import figures  # noqa: E402
+from tools import pod_figures  # noqa: E402
 
 PINNED = {name: cr for name, cr in figures.pod_rows().items() if cr[1].pinned}
 
@@ -54,7 +55,7 @@ def test_train_step_hbm_per_chip_matches_the_record(case):
     mine = figures.stack_id(figures.current_stack())
     rec = pod_figures.compile_row(config, row.overrides)
     gib = rec["hbm_bytes"] / 2**30
-    print(f"\n{case} (jax {jax.__version__}): {gib:.3f} GiB per chip\n{buffers.report(rec['peak'])}")
+    print(f"\n{case} (jax {jax.__version__}): {gib:.3f} GiB per chip\n{aot.report(rec['peak'])}")
     if mine in records:
         pin, source = records[mine][key]["hbm_bytes"] / 2**30, f"{mine}.json"
     else:   # a stack not recorded yet: the worst figure of the recorded ones bounds it

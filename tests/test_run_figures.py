@@ -1,4 +1,4 @@
-"""The trainer's tables in the docs (`recloss_plugins.sasrec.figures`): rendered from their JSON.
+"""The trainer's tables in the docs (`tools.run_figures`): rendered from their JSON.
 
 The input benchmark's table is `input_bench.format_summary` of docs/figures/data/input-bench.json, the
 function the benchmark prints it with; a changed figure changes the rendered text, a missing file or
@@ -10,11 +10,10 @@ import os
 
 import pytest
 
-from recloss.bench.figures import RecordError
 from recloss_plugins.config import default_config_path, load_config
-from recloss_plugins.sasrec import figures
-from recloss_plugins.sasrec.data import input_bench
 from recloss_plugins.sasrec.train import train
+from tools import input_bench, run_figures as figures
+from tools.figures import RecordError
 
 TABLE = figures.RUN_TABLES["input-bench"]
 
@@ -83,7 +82,7 @@ def test_the_docs_run_blocks_are_known_tables():
 @pytest.mark.tier2
 def test_quality_table_is_what_the_run_printed(tmp_path, monkeypatch, capsys):
     """`quality --json` keeps what the table needs: the docs render the table the run printed."""
-    from recloss_plugins.sasrec import quality
+    from tools import quality
     monkeypatch.setattr(quality, "ROWS", [r for r in quality.ROWS if r[0] in ("cutbce", "gbce K=128")])
     path = tmp_path / "quality.json"
     tiny = ["synthetic_num_users=48", "synthetic_num_items=255", "synthetic_min_len=20", "synthetic_max_len=30",
@@ -105,7 +104,7 @@ def test_readme_run_blocks_are_what_their_results_files_render():
     text = figures.README.read_text()
     assert "<!-- figures:prepare-ids run -->" in text
     assert figures.render(text) == text, ("README.md's run tables differ from docs/figures/data: run "
-                                          "`python -m recloss_plugins.sasrec.figures` (and commit README.md)")
+                                          "`python -m tools.run_figures` (and commit README.md)")
     assert figures.main(["--check"]) == 0
 
 
@@ -129,7 +128,7 @@ def test_prepare_table_gives_both_rates_and_every_pair(tmp_path):
 def test_quality_sweep_reports_each_rows_run_best_on_dev(tmp_path, monkeypatch, capsys):
     """`quality --sweep KEY=V1,V2`: each row trains once per value its loss takes and reports the run
     with the best dev NDCG; a key the loss does not take (temperature for a BCE loss) is left out."""
-    from recloss_plugins.sasrec import quality
+    from tools import quality
     monkeypatch.setattr(quality, "ROWS", [r for r in quality.ROWS if r[0] in ("cutbce", "gbce K=128")])
     path = tmp_path / "quality.json"
     tiny = ["synthetic_num_users=48", "synthetic_num_items=255", "synthetic_min_len=20", "synthetic_max_len=30",

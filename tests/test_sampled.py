@@ -14,30 +14,13 @@ import numpy as np
 import pytest
 
 import recloss
-from helpers import assert_close, CANCEL_FLOOR, make_inputs, make_layout, rel, strategies
+from helpers import assert_close, CANCEL_FLOOR, make_inputs, make_layout, make_sampled_case, rel, strategies
 from oracle import f64, sampled_oracle
 from recloss.sampled import sampler
 
 pytestmark = pytest.mark.tier1
 
 STRATEGIES = ("sampled_softmax", "gbce")
-
-
-def make_case(rng, *, lead=(3, 7), D=13, V=201, rows=256, L=4, scale=1.0, dtype=jnp.float32):
-    m = int(np.prod(lead))
-    t = rng.integers(0, V, size=(m, L))
-    u = rng.random((m, L))
-    t[:, 1:] = np.where(u[:, 1:] < 0.2, t[:, :-1], t[:, 1:])                  # repeats
-    t = np.where((u > 0.2) & (u < 0.3), V + rng.integers(0, rows - V + 20, size=(m, L)), t)   # invalid
-    t = np.where(u > 0.8, -1, t)                                              # padding
-    t[1] = -1                                                                 # an all-padding row
-    w = rng.uniform(0.1, 2.0, size=m)
-    w[rng.random(m) < 0.2] = 0.0
-    return dict(hidden=jnp.asarray(rng.normal(size=lead + (D,)) * scale, dtype),
-                table=jnp.asarray(rng.normal(size=(rows, D)) / np.sqrt(D), dtype),
-                targets=jnp.asarray(t.reshape(lead + (L,)), jnp.int32),
-                weights=jnp.asarray(w.reshape(lead), jnp.float32),
-                bias=jnp.asarray(rng.normal(-0.3, 0.5, size=rows), dtype))
 
 
 def negatives(strategy, key, opts, *, rows, log_q=None):
@@ -99,7 +82,7 @@ CASES = [
 
 @pytest.mark.parametrize("opts", CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_matches_oracle(opts, rng):
-    case = make_case(rng)
+    case = make_sampled_case(rng)
     _, _, _, neg = check(case, opts, rng)
     t = np.asarray(case["targets"]).reshape(-1, 4)
     # K is large against V: some drawn negative is some row's target, so the hit masks are exercised.
@@ -108,7 +91,7 @@ def test_matches_oracle(opts, rng):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bf16_and_logits_near_1e4(strategy, rng):
-    case = make_case(rng, scale=3e3, dtype=jnp.bfloat16)
+    case = make_sampled_case(rng, scale=3e3, dtype=jnp.bfloat16)
     x = f64(case["hidden"]).reshape(-1, 13) @ f64(case["table"]).T
     assert np.max(np.abs(x)) > 5e3
     # Gradients come back in bf16: its rounding (2^-9 relative) bounds their agreement.
@@ -123,7 +106,7 @@ def test_log_q_with_mass_on_a_few_ids(strategy, rng):
     log_q = np.full(256, -np.inf, np.float32)
     log_q[support] = np.log(rng.uniform(0.1, 1.0, size=5))
     log_q = jnp.asarray(log_q)
-    case = make_case(rng)
+    case = make_sampled_case(rng)
     # Half the rows get a target in the support; the others' targets (q = 0) dominate their negatives
     # by e^80 and give ~1e-35 losses, which float32 rounds to 0.
     t = np.asarray(case["targets"]).reshape(-1, 4).copy()
@@ -164,7 +147,7 @@ def test_sampler_draws_from_q_with_replacement():
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_same_key_same_loss_other_key_other_negatives(strategy, rng):
-    case = make_case(rng)
+    case = make_sampled_case(rng)
     args = (case["hidden"], case["table"], case["bias"])
 
     @jax.jit
@@ -207,7 +190,7 @@ def test_accidental_hits_never_enter_the_denominator(cls, rng):
     """Row 0's targets {a, b}; negatives [a, a, b, c]. Removed hits leave only c for row 0: the loss
     equals the oracle's and differs from the one that keeps them; with negatives [a, b] alone row 0's
     sampled softmax is exactly 0 (nothing to compete with)."""
-    case = make_case(rng, lead=(4,), V=60, rows=64)
+    case = make_sampled_case(rng, lead=(4,), V=60, rows=64)
     a, b, c = 5, 9, 17
     targets = np.asarray(case["targets"]).copy()
     targets[0] = [a, b, -1, a]
@@ -239,7 +222,7 @@ class EveryId(recloss.sampled.GBCE):
 
 
 def test_gbce_covering_the_catalogue_is_cutbce_with_vocab_sum(rng):
-    case = make_case(rng, V=201, rows=256)
+    case = make_sampled_case(rng, V=201, rows=256)
     has = np.any(np.isin(np.asarray(case["targets"]), np.arange(201)), axis=-1)
     case["weights"] = jnp.where(jnp.asarray(has), case["weights"], 0.0)   # cutbce counts rows without targets
     names = ("hidden", "table", "bias")
@@ -321,7 +304,7 @@ def test_no_array_of_size_m_times_v(strategy, rng):
 
 # ------------------------------------------------------------------------- bad input
 def _args(rng):
-    case = make_case(rng, lead=(5,), V=40, rows=40)
+    case = make_sampled_case(rng, lead=(5,), V=40, rows=40)
     return case["hidden"], case["table"], case["targets"], case["weights"], case["bias"]
 
 

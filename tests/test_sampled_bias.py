@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 import recloss
-from test_sampled import make_case
+from helpers import make_sampled_case
 
 V = 29
 
 
 def _case(rng):
     # Padding, duplicate and invalid ids, an all-padding row and zero weights, as the sampled tests draw.
-    return make_case(rng, lead=(4, 5), D=7, V=V, rows=32, L=3)
+    return make_sampled_case(rng, lead=(4, 5), D=7, V=V, rows=32, L=3)
 
 
 def _rows(case, seed, **kw):
@@ -115,13 +115,13 @@ def test_bad_input_is_a_named_error(rng, kwargs, fragment):
 
 @pytest.mark.tier2
 def test_the_trainer_command_measures_its_own_trained_model(tmp_path, capsys):
-    """`python -m recloss_plugins.sasrec.sampled_bias CONFIG ...`: train, then both proposals and both
+    """`python -m tools.sampled_bias CONFIG ...`: train, then both proposals and both
     hit rules for each K on the trained SASRec's first batch, printed as recloss-bench's table."""
     import json
 
     from recloss.bench.sampled_bias import format_table
     from recloss_plugins.config import default_config_path
-    from recloss_plugins.sasrec import sampled_bias as T
+    from tools import sampled_bias as T
 
     tiny = ["synthetic_num_users=48", "synthetic_num_items=255", "synthetic_min_len=20", "synthetic_max_len=30",
             "num_labels=4", "max_seq_len=8", "global_batch_size=16", "emb_dim=16", "num_layers=1", "num_heads=2",

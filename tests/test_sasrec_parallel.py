@@ -70,16 +70,11 @@ def test_model_batch_axes_take_the_vocab_axis_when_the_batch_divides():
 
 
 @pytest.mark.tier1
-def test_topology_names():
-    assert parallel.topology_name("v6e-8") == "v6e:2x4"
-    assert parallel.topology_name("v5litepod-16") == "v5e:4x4"
-    assert parallel.topology_name("v5p-16") == "v5p:2x2x2"
-    assert parallel.topology_name("v4-8") == "v4:2x2x1"
-    assert parallel.topology_name("v6e:2x2") == "v6e:2x2"
-    with pytest.raises(parallel.MeshError, match="not a known TPU name"):
-        parallel.topology_name("tpu8")
-    with pytest.raises(parallel.MeshError, match="no v6e topology with 12 chips"):
-        parallel.topology_name("v6e-12")
+def test_a_topology_the_trainer_cannot_name_is_a_mesh_error_naming_the_key():
+    with pytest.raises(parallel.MeshError, match="compile_topology='tpu8': 'tpu8' is not a known TPU name"):
+        parallel.topology_devices("tpu8")
+    with pytest.raises(parallel.MeshError, match="compile_topology='v6e-12': 'v6e-12': no v6e topology with 12 chips"):
+        parallel.topology_devices("v6e-12")
 
 
 @pytest.mark.tier1

@@ -2,7 +2,7 @@
 paths need nothing of their own. On a (2, 2, 2) data/fsdp/vocab mesh, with the table gathered once
 and passed round the fsdp axis ('ring', whose scalar BCE loss adds the capped target correction at
 each slice's visit), the loss, metrics and gradients equal the single-device run (as test_sharding:
-≤ 1e-5 loss and metrics, ≤ 1e-4 gradients), which test_core / test_softmax check against the
+≤ 1e-5 loss and metrics, ≤ 1e-4 gradients), which test_bce / test_softmax check against the
 float64 oracle with the cap on.
 """
 

@@ -271,7 +271,7 @@ def test_detect_races_two_cores(rng):
         pytest.skip("this jax has no pltpu.InterpretParams")
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
     # V a multiple of block_v: jax 0.10.2's TPU interpreter returns the padded buffer for an
-    # aliased output with a partial last block (a verifier error); see tests/test_pallas.py.
+    # aliased output with a partial last block (a verifier error); see tests/test_bce_pallas.py.
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
     s = CutCEPallas(recloss.LossOptions(block_v=128, block_n=8), chip="v5p", interpret_params=params)
     _strategy_vs_cutce(s, rng, (20,), 384, 37)

@@ -250,7 +250,7 @@ def test_compile_topology_runs_without_libtpu_noise():
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr
     assert "per-chip HBM" in run.stdout
-    # The five largest buffers, each with its size and kind (recloss.bench.buffers).
+    # The five largest buffers, each with its size and kind (recloss.aot).
     lines = run.stdout.splitlines()
     at = next(i for i, l in enumerate(lines) if l.startswith("largest buffers at the memory peak ("))
     assert all(l.split()[1] in ("B", "KiB", "MiB", "GiB") and l.split()[2] in ("argument", "output", "temporary")

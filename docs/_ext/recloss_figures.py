@@ -1,17 +1,17 @@
 """Fills each page's ``<!-- figures:NAME ... -->`` blocks from the results files at build time.
 
-A page commits only the empty block; `recloss.bench.figures.render_readme` renders the table from
+A page commits only the empty block; `tools.figures.render_readme` renders the table from
 ``docs/figures/hbm/STACK.json`` (``stack=STACK``: per-chip HBM), the CPU table's JSON under
 ``docs/figures/cpu`` (``cpu``) or the pod-step records under ``docs/figures/pod`` (``pod=STACK,...``),
-and `recloss_plugins.sasrec.figures.render` the trainer's runs (``run``), when Sphinx reads the
+and `tools.run_figures.render` the trainer's runs (``run``), when Sphinx reads the
 page, so changing a results file changes the page.
 """
 
 import os
 from pathlib import Path
 
-from recloss.bench import figures
-from recloss_plugins.sasrec import figures as run_figures
+from tools import figures
+from tools import run_figures
 
 # RECLOSS_FIGURES_DIR: render from another figures folder (hbm/, cpu/, pod/, data/; the docs test edits a copy).
 ENV = "RECLOSS_FIGURES_DIR"

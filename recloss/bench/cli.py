@@ -80,8 +80,8 @@ def run_cpu(shape: dict, strategies, repeats: int, block_v: Optional[int], seed:
     if objective != "bce":
         info.update(objective=objective, dense=obj.dense, precision=precision or "default")
     if jax.default_backend() == "tpu":
-        from recloss.bench import figures
-        info["libtpu_version"] = figures.current_stack()["libtpu"] or "unknown"
+        from recloss import aot
+        info["libtpu_version"] = aot.libtpu_version() or "unknown"
     if any(r.peer for r in rows):
         info["tokamax_version"] = peers.version()
     if any(r.strategy == f"{TOKAMAX}:chunked_xla" for r in rows) and v % peers.CHUNKED_V_BLOCK:
@@ -240,11 +240,6 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --topology: 'paper' (Table II + Table III shapes), 'table2', 'table3', or "
                              "B,N,D,V[;B,N,D,V...]")
     parser.add_argument("--json", default=None, help="also write the results as JSON to this path")
-    parser.add_argument("--record", default=None, metavar="DIR",
-                        help="with --topology: add the rows to this stack's figures record in DIR, "
-                             "DIR/jax-<jax>_libtpu-<libtpu>.json (a row of the same topology, objective, "
-                             "strategy and shape is replaced); the README's TPU tables are rendered from "
-                             "docs/figures/hbm by `python -m recloss.bench.figures`")
     parser.add_argument("--largest-vocab", action="store_true",
                         help="with --topology: per strategy, the largest V whose loss+grad compiles for one chip "
                              "at --batch/--seq/--dim/--labels (default the paper's 8, 256, 256, 8; float32), by "
@@ -297,8 +292,7 @@ def _cpu_shape(parser, args) -> dict:
 
 
 def _topology_payload(parser, args, objective, strategies, explicit) -> dict:
-    """Compiles the rows for --topology shape by shape (recording them with --record), prints the
-    table and returns the JSON payload."""
+    """Compiles the rows for --topology shape by shape, prints the table and returns the JSON payload."""
     import recloss
     from recloss.bench import topology
 
@@ -313,29 +307,28 @@ def _topology_payload(parser, args, objective, strategies, explicit) -> dict:
         notes.append("cutce_pallas is not registered in this recloss (recloss.available_strategies()): "
                      "no row")
     shapes = _topology_shapes(parser, args.shapes, topology)
-    if args.record is not None:
-        from recloss.bench import figures
-        try:
-            record_path = figures.check_record_dir(args.record)   # before minutes of compiles
-        except figures.RecordError as err:
-            parser.error(str(err))
-    rows, counts = [], [0, 0]
+    _topology_devices(parser, args.topology)
+    rows = []
     for i, shape in enumerate(shapes):
         _log(f"[bench] {args.topology}: compiling shape {i + 1}/{len(shapes)} {tuple(shape)} ...")
         t0 = time.perf_counter()
-        shape_rows = topology.topology_rows(args.topology, strategies, [shape])
-        rows += shape_rows
+        rows += topology.topology_rows(args.topology, strategies, [shape])
         _log(f"[bench]   done in {time.perf_counter() - t0:.0f}s")
-        if args.record is not None:     # shape by shape: an interrupted recording keeps what it compiled
-            _, replaced, added = figures.record(shape_rows, objective.name, record_path.parent)
-            counts = [counts[0] + added, counts[1] + replaced]
     print(format_topology(args.topology, rows, objective.name, notes))
     payload = dict(topology=args.topology, objective=objective.name, rows=rows, notes=notes)
     if any(is_peer(s) for s in strategies):
         payload["tokamax_version"] = peers.version()
-    if args.record is not None:
-        _log(f"[bench] recorded {len(rows)} rows in {record_path} ({counts[0]} new, {counts[1]} replaced)")
     return payload
+
+
+def _topology_devices(parser, name: str):
+    """--topology's devices, or a usage error naming the value (before any compile)."""
+    from recloss import aot
+
+    try:
+        return aot.topology_devices(name)
+    except aot.TopologyError as err:
+        parser.error(f"--topology {name}: {err}")
 
 
 def _cpu_payload(args, objective, strategies, shape) -> dict:
@@ -358,8 +351,6 @@ def _cpu_payload(args, objective, strategies, shape) -> dict:
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.record is not None and not args.topology:
-        parser.error("--record DIR records the per-chip HBM rows of --topology; add --topology (e.g. v6e-8)")
     if args.sampled_bias:
         return _sampled_bias(parser, args)
     if args.plot:
@@ -393,8 +384,8 @@ def _largest_vocab(parser, args, objective, strategies, explicit) -> dict:
 
     if not args.topology:
         parser.error("--largest-vocab compiles for a TPU chip: add --topology (e.g. v6e-8)")
-    if args.record is not None or args.vocab is not None:
-        parser.error("--largest-vocab finds V itself and records nothing: drop --vocab and --record")
+    if args.vocab is not None:
+        parser.error("--largest-vocab finds V itself: drop --vocab")
     if not explicit:
         registered = recloss.available_strategies()
         strategies = [s for s in objective.topology_strategies if s in registered]
@@ -404,7 +395,7 @@ def _largest_vocab(parser, args, objective, strategies, explicit) -> dict:
                      f"its strategies: {', '.join(recloss.available_strategies(objective.name))}")
     dims = {k: default if getattr(args, k) is None else getattr(args, k)   # positive: `_cpu_shape` checked
             for k, default in LARGEST_VOCAB_SHAPE.items()}
-    topology.chip_devices(args.topology)     # an unknown topology fails here, by name
+    _topology_devices(parser, args.topology)
     shape = topology.Shape(dims["batch"], dims["seq"], dims["dim"], 0, dims["labels"])
     rows = []
     for i, s in enumerate(strategies, 1):
@@ -419,8 +410,8 @@ def _sampled_bias(parser, args) -> int:
 
     if args.draws < 2:
         parser.error(f"--draws must be >= 2 (a mean over draws), got {args.draws}")
-    if args.topology or args.record or args.strategies:
-        parser.error("--sampled-bias runs on this machine with its own rows: drop --topology, --record and --strategies")
+    if args.topology or args.strategies:
+        parser.error("--sampled-bias runs on this machine with its own rows: drop --topology and --strategies")
     payload = sampled_bias.run(quick=args.quick, draws=args.draws, log=_log)
     print(sampled_bias.format_table(payload))
     if args.json:

@@ -14,46 +14,11 @@ linear_softmax_cross_entropy_loss (`recloss.bench.peers`) on one label per posit
 
 from __future__ import annotations
 
-import functools
-import os
 import tempfile
 import time
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-from recloss.bench import buffers
-
-
-def libtpu_aot_env() -> None:
-    """Sets (setdefault) what libtpu needs to describe and compile for a topology without a TPU.
-
-    Call before libtpu is loaded. Other processes (test workers, a second benchmark) may hold
-    libtpu's lockfile; compiling for a topology needs no exclusive access to a TPU. Off a TPU VM
-    (TPU_SKIP_MDS_QUERY, which ``import jax`` sets when no TPU chip is attached) libtpu cannot ask
-    the metadata server for the workers: it stores the sentence "WARNING: could not determine TPU
-    worker hostnames ..." as TPU_WORKER_HOSTNAMES and logs "E0000 ... unexpected worker hostname"
-    (and "Failed to find host bounds for accelerator type"). Compiling needs no workers, so this
-    host is named the only one. A TPU VM (no TPU_SKIP_MDS_QUERY) or a pod that lists its workers
-    (TPU_WORKER_HOSTNAMES / TPU_PROCESS_ADDRESSES, as on GKE) is left as it is.
-    """
-    import jax  # noqa: F401  (its cloud_tpu_init sets TPU_SKIP_MDS_QUERY on a machine without a TPU)
-
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    env = os.environ
-    if env.get("TPU_SKIP_MDS_QUERY") is not None and not env.get("TPU_WORKER_HOSTNAMES") \
-            and not env.get("TPU_PROCESS_ADDRESSES"):
-        env["TPU_WORKER_HOSTNAMES"] = "localhost"   # unset or empty here
-        env.setdefault("TPU_WORKER_ID", "0")
-        env.setdefault("TPU_HOST_BOUNDS", "1,1,1")
-
-
-# Cloud TPU slice names → (libtpu topology, chips per host). Cloud counts v5p
-# (and v4) slices in TensorCores, so v5p-8 is 4 chips of two cores each.
-TOPOLOGIES = {
-    "v5e-8": ("v5e:2x4", (2, 2, 1)),
-    "v6e-8": ("v6e:2x4", (2, 2, 1)),
-    "v5p-8": ("v5p:2x2x1", (2, 2, 1)),
-    "v4-8": ("v4:2x2x1", (2, 2, 1)),
-}
+from recloss import aot
 
 
 class Shape(NamedTuple):
@@ -73,30 +38,6 @@ TABLE_III = (Shape(8, 256, 256, 876_939),)
 PAPER_SHAPES = TABLE_II + TABLE_III
 
 
-@functools.lru_cache(maxsize=None)
-def chip_devices(topology: str):
-    """The devices of a TPU topology ('v6e-8', 'v5e-8', 'v5p-8', 'v4-8', or a libtpu name such as 'v6e:2x4')."""
-    libtpu_aot_env()    # before get_topology_desc loads libtpu; importing this module changes nothing
-    from jax.experimental import topologies
-
-    name, per_host = TOPOLOGIES.get(topology, (topology, (2, 2, 1)))
-    try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
-                                            chips_per_host_bounds=per_host, num_slices=1)
-    except Exception as err:
-        raise ValueError(f"cannot describe TPU topology {topology!r} (libtpu name {name!r}); known names: "
-                         f"{sorted(TOPOLOGIES)}; is libtpu (jax[tpu]) installed? ({err})") from err
-    return tuple(topo.devices)
-
-
-def one_chip_mesh(topology: str):
-    """A one-device Mesh on the first chip of ``topology`` (axis 'chip')."""
-    import numpy as np
-    from jax.sharding import Mesh
-
-    return Mesh(np.array(chip_devices(topology)[:1]), ("chip",))
-
-
 def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: bool = False,
                       compiler_options: Optional[dict] = None, **options):
     """``jit(value_and_grad(Σ loss, (hidden, table[, bias])))`` compiled for one chip of ``topology``.
@@ -114,7 +55,7 @@ def compile_loss_grad(strategy: str, topology: str, shape: Shape, *, with_bias: 
 
     import recloss
 
-    mesh = one_chip_mesh(topology)
+    mesh = aot.one_chip_mesh(topology)
     rep = NamedSharding(mesh, PartitionSpec())
     dt = jnp.dtype(shape.dtype)
     args = [jax.ShapeDtypeStruct((shape.B, shape.N, shape.D), dt, sharding=rep),
@@ -144,7 +85,7 @@ def compile_peer_loss_grad(name: str, topology: str, shape: Shape):
 
     from recloss.bench import peers
 
-    mesh = one_chip_mesh(topology)
+    mesh = aot.one_chip_mesh(topology)
     rep = NamedSharding(mesh, PartitionSpec())
     dt = jnp.dtype(shape.dtype)
     m = shape.B * shape.N
@@ -183,7 +124,7 @@ def largest_vocab(strategy: str, topology: str, shape: Shape, *, tolerance: floa
     then bisects to within ``tolerance``·V.
 
     The TPU compiler refuses a program when XLA's own count of HBM (arguments, outputs and the
-    temporaries its buffer assignment reserves: `recloss.bench.buffers.hbm_bytes`) passes the chip's;
+    temporaries its buffer assignment reserves: `recloss.aot.hbm_bytes`) passes the chip's;
     on a v5e chip, compiling there refused at the same V as this compile on a CPU host, and every
     program that compiled ran (docs/kernels.md). `memory_analysis` can count more.
 
@@ -203,13 +144,13 @@ def largest_vocab(strategy: str, topology: str, shape: Shape, *, tolerance: floa
         with tempfile.TemporaryDirectory(prefix="recloss-largest-") as dump:
             try:
                 compiled = compile_loss_grad(strategy, topology, shape._replace(V=v),
-                                             compiler_options=buffers.dump_options(dump))
+                                             compiler_options=aot.dump_options(dump))
             except Exception as err:
                 if not is_oom(err):
                     raise
                 say(f"[bench] {strategy} V={v:,}: out of HBM")
                 return False
-            hbm[v] = (int(buffers.memory_report(compiled)["total"]), buffers.hbm_bytes(dump))
+            hbm[v] = (int(aot.memory_report(compiled)["total"]), aot.hbm_bytes(dump))
         say(f"[bench] {strategy} V={v:,}: {hbm[v][1] / 2**30:.2f} GiB per chip by XLA's count, "
             f"{hbm[v][0] / 2**30:.2f} by memory_analysis")
         return True
@@ -258,7 +199,8 @@ def topology_rows(topology: str, strategies: Iterable[str] = ("dense_bce", "cutb
     """Compiles loss+grad per strategy and shape for one chip of ``topology``.
 
     Args:
-      topology: 'v6e-8', 'v5e-8', 'v5p-8', 'v4-8' (or a libtpu name like 'v6e:2x4').
+      topology: a Cloud TPU slice name ('v6e-8', 'v5e-8', 'v5p-8', ...) or a libtpu name like 'v6e:2x4'
+        (`recloss.aot.topology_name`).
       strategies: registered strategy names, or 'tokamax:<implementation>' (Tokamax's loss, L=1).
       shapes: `Shape`s (or (B, N, D, V[, L[, dtype]]) tuples); default `PAPER_SHAPES`.
     Returns:
@@ -270,7 +212,7 @@ def topology_rows(topology: str, strategies: Iterable[str] = ("dense_bce", "cutb
       measured cells hold 'OOM' (out of HBM) or 'error: <message>'.
     """
     shapes = PAPER_SHAPES if shapes is None else tuple(Shape(*s) for s in shapes)
-    chip_devices(topology)          # fail early, with the topology's name, if it is unknown
+    aot.topology_devices(topology)          # fail early, with the topology's name, if it is unknown
     rows = []
     for shape in shapes:
         for strategy in strategies:

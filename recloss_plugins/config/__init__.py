@@ -23,6 +23,7 @@ from recloss_plugins.config.loss_keys import (
 )
 from recloss_plugins.config.pyconfig import (
     ConfigError,
+    command_config,
     default_config_path,
     dump_config,
     load_config,
@@ -39,6 +40,7 @@ __all__ = [
     "LossOptionError",
     "build_loss_options",
     "check_strategy_options",
+    "command_config",
     "default_config_path",
     "dump_config",
     "load_config",

@@ -27,8 +27,10 @@ class ConfigError(ValueError):
 
 
 def default_config_path() -> Path:
-    """configs/base.yml of the source tree this package was loaded from."""
-    return Path(__file__).resolve().parents[2] / "configs" / "base.yml"
+    """The trainer's base config, every key at its default: shipped with this package
+    (``recloss_plugins/config/base.yml``; the repository's configs/base.yml is a link to it)."""
+    from importlib import resources
+    return Path(str(resources.files("recloss_plugins.config") / "base.yml"))
 
 
 def _suggest(key: str, valid: Iterable[str]) -> str:
@@ -279,6 +281,22 @@ def load_config(argv: Optional[Sequence[str]] = None, *, overrides: Optional[dic
     out = ml_collections.ConfigDict(cfg)
     out.lock()
     return out
+
+
+def command_config(prog: str, usage: str, argv: Sequence[str]):
+    """(config, None) of a console command's ``[CONFIG.yml] [key=value ...]`` arguments, or (None, exit
+    code): 0 after printing ``usage`` for -h / --help / help, 2 after printing the config error."""
+    import sys
+
+    argv = list(argv)
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(usage)
+        return None, 0
+    try:
+        return load_config(argv), None
+    except ConfigError as err:
+        print(f"{prog}: config error: {err}", file=sys.stderr)
+        return None, 2
 
 
 def dump_config(cfg, path: Optional[os.PathLike] = None) -> str:

@@ -25,13 +25,9 @@ def _default_table_init(features: int):
 
 
 class MultiLabelHead(nn.Module):
-    """Multi-label output head: item table E [V, D] (param 'table'), optional bias b [V] (param 'bias').
-
-    The loss is the configured strategy's objective on logits ``x[..., v] =
-    hidden[...]·E[v] + b[v]``, without building [..., V] (for the blocked
-    strategies): `recloss.bce_loss` for a BCE strategy (``cutbce``, metrics
-    tp/fp/fn/tn), `recloss.softmax_loss` for a softmax one (``cutce``, logits
-    divided by ``temperature``; metrics top1, mean_lse).
+    """Linen's `recloss_plugins.flax.MultiLabelHead`: item table E [V, D] (param 'table'), optional bias
+    b [V] (param 'bias'), and the configured strategy's loss on logits ``hidden[...]·E[v] + b[v]``
+    without building [..., V] (for the blocked strategies), as the NNX head computes it.
 
     Attributes:
       num_items: V (None allowed only for a tied head without bias).

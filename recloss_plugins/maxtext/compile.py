@@ -23,14 +23,14 @@ import sys
 import time
 from typing import Dict, NamedTuple, Optional, Sequence
 
-from recloss.bench.buffers import memory_report
+from recloss.aot import libtpu_env, memory_report
 
 _MODULE = "maxtext.trainers.pre_train.train_compile"
 _PREFIX = "recloss-maxtext-compile:"
 
 
 class Measured(NamedTuple):
-    """What one compile cost: ``memory`` is `recloss.bench.buffers.memory_report`'s dict (bytes per
+    """What one compile cost: ``memory`` is `recloss.aot.memory_report`'s dict (bytes per
     chip: argument, output, temp, alias, code, total); ``seconds`` the compile's wall time; ``loss``
     the recloss strategy, or None for MaxText's own loss."""
     memory: Dict[str, float]
@@ -71,9 +71,7 @@ def compile_step(argv: Sequence[str], *, out=None) -> Measured:
     the recloss loss installed when argv has ``loss=``; prints and returns the step's `Measured`."""
     import importlib
 
-    from recloss.bench.topology import libtpu_aot_env
-
-    libtpu_aot_env()   # off a TPU VM: name this host the only worker (no libtpu noise, nothing probed)
+    libtpu_env()   # off a TPU VM: name this host the only worker (no libtpu noise, nothing probed)
     module = importlib.import_module(_MODULE)
     loss = loss_argument(argv)
     record: list = []

@@ -6,7 +6,7 @@ Builds the mesh on the topology's devices (libtpu describes them; no TPU
 needed), lowers and compiles the full train step (forward, loss, backward,
 AdamW update) with the run's shardings, and prints the per-chip memory of the
 compiled program and its five largest buffers with the HLO op that owns each
-(`recloss.bench.buffers`), so an OOM says what to change. With
+(`recloss.aot`), so an OOM says what to change. With
 ``compile_fit_hbm_gib`` > 0 it also finds the largest global batch (a multiple
 of the batch shards) whose step fits that budget.
 """
@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Callable, Dict, Optional
 
-from recloss.bench import buffers
+from recloss import aot
 from recloss_plugins.config import dump_config
 from recloss_plugins.sasrec import parallel
 from recloss_plugins.sasrec.program import build_program
@@ -35,13 +35,13 @@ def vocab_size_for(cfg) -> int:
 
 def compile_step(cfg, devices, vocab: int, batch_size: Optional[int] = None, dump_to: Optional[str] = None):
     """(compiled train step, memory report dict, Program) on ``devices``. With ``dump_to`` (a folder)
-    XLA also writes the compiled module and its buffer analysis there (`recloss.bench.buffers.read`)."""
+    XLA also writes the compiled module and its buffer analysis there (`recloss.aot.read`)."""
     mesh = parallel.build_mesh(cfg, devices, num_slices=cfg.compile_topology_num_slices)
     program = build_program(cfg, mesh, vocab, batch_size=batch_size)
     lowered = program.train_step.lower(program.abstract_state, program.abstract_batch())
-    options = None if dump_to is None else buffers.dump_options(dump_to)
+    options = None if dump_to is None else aot.dump_options(dump_to)
     compiled = lowered.compile(compiler_options=options)
-    return compiled, buffers.memory_report(compiled), program
+    return compiled, aot.memory_report(compiled), program
 
 
 def compile_oom(err: Exception) -> Optional[str]:
@@ -120,23 +120,22 @@ def _secant(seen: Dict[int, float], lo: int, hi: int, budget: float) -> Optional
 
 def compile_report(cfg, log=print) -> Dict[str, object]:
     """Compiles for cfg.compile_topology and prints per-chip memory; returns the numbers."""
-    from recloss.bench.topology import libtpu_aot_env
-    libtpu_aot_env()   # before libtpu loads: no "unexpected worker hostname" off a TPU VM
+    aot.libtpu_env()   # before libtpu loads: no "unexpected worker hostname" off a TPU VM
     log("config:\n" + "\n".join(f"  {line}" for line in dump_config(cfg).splitlines()))
     devices = parallel.topology_devices(cfg.compile_topology, cfg.compile_topology_num_slices)
     vocab = vocab_size_for(cfg)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="recloss-aot-") as dump:
         compiled, rep, program = compile_step(cfg, devices, vocab, dump_to=dump)
-        top = buffers.read(dump)
+        top = aot.read(dump)
     gib = rep.get("total", float("nan")) / 2**30
     log(f"compiled the train step for {cfg.compile_topology} ({len(devices)} chips, "
         f"{devices[0].device_kind}) in {time.perf_counter() - t0:.1f}s: loss={cfg.loss}, mesh "
         f"{dict(program.mesh.shape)}, V={vocab} ({program.rows} rows), D={cfg.emb_dim}, N={cfg.max_seq_len}, "
         f"global batch {program.batch_size} ({program.batch_size // program.layout.batch_shards} per batch shard)")
     log(parallel.describe_model_split(program.layout, program.model_batch_axes, program.batch_size))
-    log(f"per-chip HBM: {buffers.format_memory(rep)}")
-    log(buffers.report(top, top=5))
+    log(f"per-chip HBM: {aot.format_memory(rep)}")
+    log(aot.report(top, top=5))
     out = {"total_gib": gib, "memory": rep, "global_batch_size": program.batch_size, "buffers": top}
     if cfg.compile_fit_hbm_gib > 0:
         budget = cfg.compile_fit_hbm_gib * 2**30

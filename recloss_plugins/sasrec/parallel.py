@@ -16,8 +16,6 @@ Shardings:
 from __future__ import annotations
 
 import math
-import os
-import re
 from typing import Optional, Sequence, Tuple
 
 import jax
@@ -25,6 +23,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import recloss
+from recloss import aot
 
 
 class MeshError(ValueError):
@@ -211,54 +210,10 @@ def to_host(x) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- TPU topologies
-_TPU_TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
-                      256: "16x16"}
-_TPU_TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
-                      256: "4x8x8", 512: "8x8x8"}
-
-
-def topology_name(name: str) -> str:
-    """MaxText-style accelerator names to libtpu topology names.
-
-    ``v6e-8`` -> ``v6e:2x4``; ``v5e-16`` (alias ``v5litepod-16``) -> ``v5e:4x4``;
-    ``v5p-16`` / ``v4-16`` (TensorCore counts, 2 per chip) -> ``v5p:2x2x2``.
-    Names already in ``gen:AxB[xC]`` form pass through."""
-    name = name.strip().lower()
-    if re.fullmatch(r"v[0-9a-z]+:\d+(x\d+){1,2}", name):
-        return name
-    m = re.fullmatch(r"(v6e|v5e|v5litepod|v5p|v4)-(\d+)", name)
-    if not m:
-        raise MeshError(f"compile_topology={name!r} is not a known TPU name; use e.g. v6e-8, v5e-8, "
-                        "v5p-8, v4-8 or a libtpu topology such as v6e:2x4")
-    gen, count = m.group(1), int(m.group(2))
-    gen = "v5e" if gen == "v5litepod" else gen
-    if gen in ("v6e", "v5e"):
-        table, chips = _TPU_TOPOLOGIES_2D, count
-    else:
-        if count % 2:
-            raise MeshError(f"compile_topology={name!r}: {gen} sizes count TensorCores (2 per chip); "
-                            "use an even number")
-        table, chips = _TPU_TOPOLOGIES_3D, count // 2
-    if chips not in table:
-        raise MeshError(f"compile_topology={name!r}: no {gen} topology with {chips} chips is known; "
-                        f"known chip counts: {sorted(table)} (or pass a libtpu name like {gen}:2x4)")
-    return f"{gen}:{table[chips]}"
-
-
 def topology_devices(name: str, num_slices: int = 1):
-    """Devices of a TPU topology for ahead-of-time compilation (no TPU needed)."""
-    from jax.experimental import topologies
-
-    # libtpu takes a machine-wide lock even to describe a topology; AOT needs no
-    # exclusive TPU access, so let several compile jobs share it.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    topo = topology_name(name)
-    dims = [int(x) for x in topo.split(":")[1].split("x")]
-    bounds = tuple(min(d, 2) for d in dims[:2]) + (1,)
+    """Devices of TPU topology ``compile_topology=name`` for ahead-of-time compilation (no TPU needed;
+    `recloss.aot.topology_devices`); MeshError naming the key when the name is not one."""
     try:
-        desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chip_config_name="default",
-                                            chips_per_host_bounds=bounds, num_slices=num_slices)
-    except Exception as err:
-        raise MeshError(f"libtpu could not describe topology {topo!r} (from compile_topology={name!r}): "
-                        f"{err}") from err
-    return list(desc.devices)
+        return list(aot.topology_devices(name, num_slices))
+    except aot.TopologyError as err:
+        raise MeshError(f"compile_topology={name!r}: {err}") from err

@@ -25,7 +25,7 @@ from typing import Dict, Optional
 import jax
 import numpy as np
 
-from recloss_plugins.config import ConfigError, dump_config, load_config
+from recloss_plugins.config import ConfigError, command_config, dump_config
 from recloss_plugins.sasrec import data as data_lib
 from recloss_plugins.sasrec import distributed
 from recloss_plugins.sasrec import eval as eval_lib
@@ -34,7 +34,7 @@ from recloss_plugins.sasrec.data import pipeline as pipeline_lib
 from recloss_plugins.sasrec.checkpoints import Checkpoints
 from recloss_plugins.sasrec.logging_utils import (MetricsWriter, Progress, format_duration, format_eval,
                                                   format_loss_metrics, loss_metrics)
-from recloss.bench.buffers import format_memory, memory_report
+from recloss.aot import format_memory, memory_report
 from recloss_plugins.sasrec.program import Program, program_for, proposal_of
 
 USAGE = """usage: recloss-train [CONFIG.yml] [key=value ...]
@@ -381,15 +381,9 @@ def _report_config_changes(path: Path, cfg, say):
 
 # ----------------------------------------------------------------------------- entry point
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0
-    try:
-        cfg = load_config(argv)
-    except ConfigError as err:
-        print(f"recloss-train: config error: {err}", file=sys.stderr)
-        return 2
+    cfg, code = command_config("recloss-train", USAGE, sys.argv[1:] if argv is None else argv)
+    if cfg is None:
+        return code
     try:
         if cfg.compile_topology:
             from recloss_plugins.sasrec import aot

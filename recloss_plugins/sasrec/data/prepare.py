@@ -113,10 +113,6 @@ def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optio
     """Prepares the config's log under ``cfg.prepared_data_path`` (or ``output``, recloss-train's
     cache folder); returns the manifest dict (plus 'seconds' and 'bytes'). See the module
     docstring for the passes and the layout."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
-    from recloss_plugins.sasrec.logging_utils import Progress
-
     if output is None and not cfg.prepared_data_path:
         raise DataError("config key 'prepared_data_path' is empty: set the directory the shards go to")
     S, K, min_len, L = cfg.prepare_num_shards, cfg.prepare_num_buckets, cfg.min_user_interactions, cfg.num_labels
@@ -124,134 +120,25 @@ def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optio
     out = as_path(cfg.prepared_data_path if output is None else output, "prepared_data_path")
     tmp = tempfile.mkdtemp(prefix="recloss-prepare-", dir=work_dir)
     try:
-        # ---- pass 1: bucket the events by user
-        files = [open(os.path.join(tmp, f"bucket{k:05d}.npy"), "wb") for k in range(K)]
-        rows = 0
-        progress = Progress(0, 0, progress_stream)
-        try:
-            for chunk in iter_chunks(cfg):
-                n = chunk["user"].shape[0]
-                if n == 0:
-                    continue
-                b = _bucket_of(chunk["user"], K)
-                order = np.argsort(b, kind="stable")
-                cuts = np.searchsorted(b[order], np.arange(K + 1))
-                for k in range(K):
-                    sel = order[cuts[k]:cuts[k + 1]]
-                    if sel.size:
-                        # take(axis=0), not [sel]: numpy's fancy index of [rows, 2] keys is ~4x slower.
-                        _append(files[k], [np.take(chunk[c], sel, axis=0) for c in ("user", "item", "time")])
-                rows += n
-                progress.extra = f" {rows:,} events read"
-                progress.update(0, force=True)
-        finally:
-            for f in files:
-                f.close()
-            progress.clear()
-        if rows == 0:
-            raise DataError(f"the interaction log {cfg.dataset_path!r} has no rows (after the filters)")
+        rows = _bucket_events(cfg, tmp, K, progress_stream)
         log(f"prepare: read {rows:,} events into {K} user buckets ({time.perf_counter() - t0:.1f}s)")
-
-        # ---- pass 2: per bucket, users in (user, time) order, the length filter, raw items kept
-        counts, vocab_parts = [], []
-        progress = Progress(K, 0, progress_stream)
-        for k in range(K):
-            path = os.path.join(tmp, f"bucket{k:05d}.npy")
-            users, items, times = _read_all(path, 3) if os.path.getsize(path) else ([np.zeros(0)] * 3)
-            os.remove(path)
-            if users.size:
-                order, offsets = _user_runs(users, times)
-                items = items[order]
-                lengths = np.diff(offsets)
-                keep = lengths >= max(min_len, 1)
-                mask = np.repeat(keep, lengths)
-                items = items[mask]
-                lengths = lengths[keep]
-                vocab_parts.append(np.unique(items))
-            else:
-                items, lengths = np.zeros(0, np.int64), np.zeros(0, np.int64)
-            with open(os.path.join(tmp, f"kept{k:05d}.npy"), "wb") as f:
-                _append(f, (items, lengths))
-            counts.append(int(lengths.size))
-            progress.update(k + 1)
-        progress.clear()
+        counts, vocab = _keep_users(tmp, K, min_len, progress_stream)
         U = sum(counts)
-        if U == 0:
-            raise DataError(f"no user has >= {min_len} interactions (min_user_interactions)")
         if U < S:
             raise ShardError(f"only {U} users are left, fewer than prepare_num_shards={S}: every shard needs "
                              "at least one user; lower prepare_num_shards")
-        vocab = np.unique(np.concatenate(vocab_parts))
-        raw_ids = np.concatenate([vocab[:1], vocab])
-        source = {"dataset_type": cfg.dataset_type, "dataset_path": str(cfg.dataset_path),
-                  "min_user_interactions": min_len, "user_column": cfg.user_column,
-                  "item_column": cfg.item_column, "timestamp_column": cfg.timestamp_column}
-        if cfg.dataset_type == "yambda":
-            source.update(yambda_event_types=list(cfg.yambda_event_types),
-                          yambda_organic_only=bool(cfg.yambda_organic_only),
-                          yambda_min_played_ratio_pct=float(cfg.yambda_min_played_ratio_pct))
+        source = _source(cfg)
         vocab_hash = _hash_vocab(vocab, source)
         log(f"prepare: {U:,} users kept, {vocab.size:,} items ({time.perf_counter() - t0:.1f}s)")
-
-        # ---- pass 3: shards of nearly equal user counts, in (bucket, user) order
         make_dir(out, "prepared_data_path")
-        bounds = np.linspace(0, U, S + 1).round().astype(np.int64)
-        all_lengths = []
-        for k in range(K):
-            with open(os.path.join(tmp, f"kept{k:05d}.npy"), "rb") as f:
-                np.load(f)
-                all_lengths.append(np.load(f))
-        all_lengths = np.concatenate(all_lengths).astype(np.int32)
-        pop = np.zeros(vocab.size + 1, np.int64)
-        shard_info, writer, shard, g = [], None, -1, 0
-        local_tmp = os.path.join(tmp, "shard.arrayrecord")
-        progress = Progress(S, 0, progress_stream)
-
-        def finish():
-            writer.close()
-            digest = file_sha256(local_tmp)
-            name = shard_name(shard, S)
-            dest = out / name
-            if str(dest).startswith("gs://"):
-                dest.write_bytes(open(local_tmp, "rb").read())
-            else:
-                shutil.move(local_tmp, os.fspath(dest))
-            lo, hi = bounds[shard], bounds[shard + 1]
-            shard_info.append({"name": name, "num_users": int(hi - lo),
-                               "num_interactions": int(all_lengths[lo:hi].sum()),
-                               "bytes": int(dest.stat().length), "sha256": digest})
-            progress.update(shard + 1)
-
-        for k in range(K):
-            with open(os.path.join(tmp, f"kept{k:05d}.npy"), "rb") as f:
-                items, lengths = np.load(f), np.load(f)
-            dense = (np.searchsorted(vocab, items) + 1).astype(np.int32)
-            offs = np.concatenate([[0], np.cumsum(lengths)])
-            for u in range(lengths.size):
-                while g >= bounds[shard + 1] or shard < 0:
-                    if writer is not None:
-                        finish()
-                    shard += 1
-                    writer = ArrayRecordWriter(local_tmp, WRITER_OPTIONS)
-                    lo, hi = bounds[shard], bounds[shard + 1]
-                    writer.write(json.dumps({"format": FORMAT, "vocab_hash": vocab_hash, "shard": shard,
-                                             "num_shards": S, "num_users": int(hi - lo)}).encode())
-                    writer.write(all_lengths[lo:hi].tobytes())
-                writer.write(dense[offs[u]:offs[u + 1]].tobytes())
-                g += 1
-            # Train region (train input + its targets): the first n - 2L - 2 items, as splits.popularity.
-            pos = np.arange(dense.size) - np.repeat(offs[:-1], lengths)
-            region = pos < np.repeat(np.maximum(lengths - (2 * L + 2), 0), lengths)
-            pop += np.bincount(dense[region], minlength=pop.size)
-        finish()
-        progress.clear()
-        pop[0] = 0
+        shard_info, lengths, pop = _write_shards(out, tmp, K, S, L, U, vocab, vocab_hash, progress_stream)
+        raw_ids = np.concatenate([vocab[:1], vocab])
         with (out / "vocab.npy").open("wb") as f:
             np.save(f, raw_ids, allow_pickle=raw_ids.dtype == object)
         with (out / "popularity.npy").open("wb") as f:
             np.save(f, pop)
         manifest = {"format": FORMAT, "vocab_hash": vocab_hash, "num_users": int(U),
-                    "num_items": int(vocab.size), "num_interactions": int(all_lengths.sum()),
+                    "num_items": int(vocab.size), "num_interactions": int(lengths.sum()),
                     "num_labels": int(L), "shards": shard_info, "source": source}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     finally:
@@ -263,17 +150,155 @@ def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optio
     return {**manifest, "seconds": seconds, "bytes": total, "events_read": rows}
 
 
-def main(argv=None) -> int:
-    from recloss_plugins.config import ConfigError, load_config
+def _bucket_events(cfg, tmp: str, K: int, progress_stream) -> int:
+    """Pass 1: streams the log and appends each event to the bucket file of its user; returns the
+    number of events read (DataError when there are none)."""
+    from recloss_plugins.sasrec.logging_utils import Progress
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0
+    files = [open(os.path.join(tmp, f"bucket{k:05d}.npy"), "wb") for k in range(K)]
+    rows = 0
+    progress = Progress(0, 0, progress_stream)
     try:
-        cfg = load_config(argv)
+        for chunk in iter_chunks(cfg):
+            n = chunk["user"].shape[0]
+            if n == 0:
+                continue
+            b = _bucket_of(chunk["user"], K)
+            order = np.argsort(b, kind="stable")
+            cuts = np.searchsorted(b[order], np.arange(K + 1))
+            for k in range(K):
+                sel = order[cuts[k]:cuts[k + 1]]
+                if sel.size:
+                    # take(axis=0), not [sel]: numpy's fancy index of [rows, 2] keys is ~4x slower.
+                    _append(files[k], [np.take(chunk[c], sel, axis=0) for c in ("user", "item", "time")])
+            rows += n
+            progress.extra = f" {rows:,} events read"
+            progress.update(0, force=True)
+    finally:
+        for f in files:
+            f.close()
+        progress.clear()
+    if rows == 0:
+        raise DataError(f"the interaction log {cfg.dataset_path!r} has no rows (after the filters)")
+    return rows
+
+
+def _keep_users(tmp: str, K: int, min_len: int, progress_stream):
+    """Pass 2: per bucket, the users in (user, time) order with at least ``min_len`` events, their raw
+    items kept (file kept<k>.npy: items, lengths); returns (users kept per bucket, the sorted raw
+    vocabulary of their items). DataError when no user is kept."""
+    from recloss_plugins.sasrec.logging_utils import Progress
+
+    counts, vocab_parts = [], []
+    progress = Progress(K, 0, progress_stream)
+    for k in range(K):
+        path = os.path.join(tmp, f"bucket{k:05d}.npy")
+        users, items, times = _read_all(path, 3) if os.path.getsize(path) else ([np.zeros(0)] * 3)
+        os.remove(path)
+        if users.size:
+            order, offsets = _user_runs(users, times)
+            items = items[order]
+            lengths = np.diff(offsets)
+            keep = lengths >= max(min_len, 1)
+            mask = np.repeat(keep, lengths)
+            items = items[mask]
+            lengths = lengths[keep]
+            vocab_parts.append(np.unique(items))
+        else:
+            items, lengths = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        with open(os.path.join(tmp, f"kept{k:05d}.npy"), "wb") as f:
+            _append(f, (items, lengths))
+        counts.append(int(lengths.size))
+        progress.update(k + 1)
+    progress.clear()
+    if sum(counts) == 0:
+        raise DataError(f"no user has >= {min_len} interactions (min_user_interactions)")
+    return counts, np.unique(np.concatenate(vocab_parts))
+
+
+def _source(cfg) -> dict:
+    """The config keys the preparation read (the vocabulary's hash covers them)."""
+    source = {"dataset_type": cfg.dataset_type, "dataset_path": str(cfg.dataset_path),
+              "min_user_interactions": cfg.min_user_interactions, "user_column": cfg.user_column,
+              "item_column": cfg.item_column, "timestamp_column": cfg.timestamp_column}
+    if cfg.dataset_type == "yambda":
+        source.update(yambda_event_types=list(cfg.yambda_event_types),
+                      yambda_organic_only=bool(cfg.yambda_organic_only),
+                      yambda_min_played_ratio_pct=float(cfg.yambda_min_played_ratio_pct))
+    return source
+
+
+def _write_shards(out, tmp: str, K: int, S: int, L: int, U: int, vocab, vocab_hash: str, progress_stream):
+    """Pass 3: the ``U`` kept users, in (bucket, user) order, as ``S`` ArrayRecord shards of nearly
+    equal user counts under ``out``, their items remapped to 1..|vocab|. Returns (the shards' manifest
+    entries, every user's length [U] int32, the train-region popularity [|vocab| + 1])."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from recloss_plugins.sasrec.logging_utils import Progress
+
+    bounds = np.linspace(0, U, S + 1).round().astype(np.int64)
+    all_lengths = []
+    for k in range(K):
+        with open(os.path.join(tmp, f"kept{k:05d}.npy"), "rb") as f:
+            np.load(f)
+            all_lengths.append(np.load(f))
+    all_lengths = np.concatenate(all_lengths).astype(np.int32)
+    pop = np.zeros(vocab.size + 1, np.int64)
+    shard_info, writer, shard, g = [], None, -1, 0
+    local_tmp = os.path.join(tmp, "shard.arrayrecord")
+    progress = Progress(S, 0, progress_stream)
+
+    def finish():
+        writer.close()
+        digest = file_sha256(local_tmp)
+        name = shard_name(shard, S)
+        dest = out / name
+        if str(dest).startswith("gs://"):
+            dest.write_bytes(open(local_tmp, "rb").read())
+        else:
+            shutil.move(local_tmp, os.fspath(dest))
+        lo, hi = bounds[shard], bounds[shard + 1]
+        shard_info.append({"name": name, "num_users": int(hi - lo),
+                           "num_interactions": int(all_lengths[lo:hi].sum()),
+                           "bytes": int(dest.stat().length), "sha256": digest})
+        progress.update(shard + 1)
+
+    for k in range(K):
+        with open(os.path.join(tmp, f"kept{k:05d}.npy"), "rb") as f:
+            items, lengths = np.load(f), np.load(f)
+        dense = (np.searchsorted(vocab, items) + 1).astype(np.int32)
+        offs = np.concatenate([[0], np.cumsum(lengths)])
+        for u in range(lengths.size):
+            while g >= bounds[shard + 1] or shard < 0:
+                if writer is not None:
+                    finish()
+                shard += 1
+                writer = ArrayRecordWriter(local_tmp, WRITER_OPTIONS)
+                lo, hi = bounds[shard], bounds[shard + 1]
+                writer.write(json.dumps({"format": FORMAT, "vocab_hash": vocab_hash, "shard": shard,
+                                         "num_shards": S, "num_users": int(hi - lo)}).encode())
+                writer.write(all_lengths[lo:hi].tobytes())
+            writer.write(dense[offs[u]:offs[u + 1]].tobytes())
+            g += 1
+        # Train region (train input + its targets): the first n - 2L - 2 items, as splits.popularity.
+        pos = np.arange(dense.size) - np.repeat(offs[:-1], lengths)
+        region = pos < np.repeat(np.maximum(lengths - (2 * L + 2), 0), lengths)
+        pop += np.bincount(dense[region], minlength=pop.size)
+    finish()
+    progress.clear()
+    pop[0] = 0
+    return shard_info, all_lengths, pop
+
+
+def main(argv=None) -> int:
+    from recloss_plugins.config import ConfigError, command_config
+
+    cfg, code = command_config("recloss-prepare-data", USAGE, sys.argv[1:] if argv is None else argv)
+    if cfg is None:
+        return code
+    try:
         prepare(cfg, log=lambda *a: print(*a, flush=True))
-    except ConfigError as err:
+    except ConfigError as err:     # a storage error (gs://) is one
         print(f"recloss-prepare-data: config error: {err}", file=sys.stderr)
         return 2
     except DataError as err:

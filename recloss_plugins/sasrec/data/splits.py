@@ -30,31 +30,29 @@ def split_cuts(n: np.ndarray, num_labels: int) -> Dict[str, np.ndarray]:
     return {"test": n - L, "dev": n - (2 * L + 1), "train": n - (3 * L + 2)}
 
 
+class _Split:
+    @property
+    def num_users(self) -> int:
+        return self.inputs.shape[0]
+
+
 @dataclasses.dataclass(frozen=True)
-class EvalSplit:
+class EvalSplit(_Split):
     """inputs [U, N] int32 (right-padded), lengths [U] int32 (>= 1), targets [U, L] int32, users [U]."""
     inputs: np.ndarray
     lengths: np.ndarray
     targets: np.ndarray
     users: np.ndarray
 
-    @property
-    def num_users(self) -> int:
-        return self.inputs.shape[0]
-
 
 @dataclasses.dataclass(frozen=True)
-class TrainSplit:
+class TrainSplit(_Split):
     """inputs [U, N] int32 (right-padded), targets [U, N, L] int32 (0 = no target), users [U].
 
     Position weights are ``inputs != 0``."""
     inputs: np.ndarray
     targets: np.ndarray
     users: np.ndarray
-
-    @property
-    def num_users(self) -> int:
-        return self.inputs.shape[0]
 
 
 def _window(seq: np.ndarray, cut: int, max_seq_len: int):

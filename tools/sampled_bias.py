@@ -1,6 +1,6 @@
 """Is K = 128 enough here? `recloss.sampled_bias` on the trainer's own model, data and step.
 
-    python -m recloss_plugins.sasrec.sampled_bias configs/base.yml [key=value ...] [--ks 16,128,1024]
+    python -m tools.sampled_bias configs/base.yml [key=value ...] [--ks 16,128,1024]
 
 trains the config as recloss-train does (its ``loss`` and ``steps``; checkpoints off), then, on
 the trained parameters and the first training batch, compares the sampled_softmax gradient,
@@ -11,13 +11,14 @@ table of ``recloss-bench --sampled-bias``; ``--json`` writes it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from typing import List, Optional
 
 import numpy as np
+
+from tools.figures import config_parser
 
 
 def measure(cfg, *, ks, draws: int, log=print) -> dict:
@@ -58,8 +59,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from recloss.bench.sampled_bias import format_table
     from recloss_plugins.config import ConfigError, load_config
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", nargs="*", help="a YAML config (default configs/base.yml) and key=value overrides")
+    p = config_parser(__doc__)
     p.add_argument("--ks", default="16,128,1024", help="comma-separated K values (default %(default)s)")
     p.add_argument("--draws", type=int, default=32, help="draws per K (>= 2)")
     p.add_argument("--json", help="write the rows and what ran as JSON here")

@@ -1,6 +1,6 @@
 """The quality-vs-cost table: `recloss-train` on one data set, varying only the loss.
 
-    python -m recloss_plugins.sasrec.quality [config.yml] [key=value ...] [--hbm] [--out table.md] [--json run.json]
+    python -m tools.quality [config.yml] [key=value ...] [--hbm] [--out table.md] [--json run.json]
     make quality                       # the embedded synthetic data (configs/base.yml)
     make quality DATA=path/to/log.csv  # any interactions file (dataset_type=interactions)
 
@@ -14,7 +14,6 @@ One seed, one data set: differences smaller than seed noise are not findings.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -30,12 +29,13 @@ import numpy as np
 
 import recloss
 
-from recloss_plugins.config import default_config_path, load_config
+from recloss_plugins.config import load_config
 from recloss_plugins.config.keys import SCHEMA
 from recloss_plugins.config.loss_keys import LOSS_OPTION_KEYS
+from recloss.aot import memory_report
 from recloss_plugins.sasrec import data as data_lib
-from recloss.bench.buffers import memory_report
 from recloss_plugins.sasrec.train import train
+from tools.figures import ROOT, config_parser
 
 # (row label, config overrides): the losses the table compares.
 ROWS: List[Tuple[str, Tuple[str, ...]]] = [
@@ -57,7 +57,7 @@ ROWS: List[Tuple[str, Tuple[str, ...]]] = [
 # The table's defaults on top of the user's config: modest steps so it runs in minutes on a CPU.
 DEFAULTS = ("steps=300", "eval_top_k=10", "enable_checkpointing=false", "enable_tensorboard=false",
             "log_period=100")
-YAMBDA = Path(__file__).resolve().parents[2] / "configs" / "sasrec_yambda.yml"
+YAMBDA = ROOT / "configs" / "sasrec_yambda.yml"
 # The v6e-8 rows use the paper's loss kernels where one exists (as configs/sasrec_yambda.yml does).
 HBM_LOSS = {"cutbce": "cutbce_pallas", "cutce": "cutce_pallas"}
 NOT_RUN = "not run (--hbm)"
@@ -171,8 +171,7 @@ def format_run(data: Dict) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", nargs="*", help="a YAML config (default configs/base.yml) and key=value overrides")
+    p = config_parser(__doc__)
     p.add_argument("--hbm", action="store_true", help="also compile each row for v6e-8 (SASRec-Yambda)")
     p.add_argument("--hbm-timeout", type=float, default=900.0, help="seconds per v6e-8 compile")
     p.add_argument("--out", help="write the markdown table here too")
@@ -192,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sweep[key] = [v for v in values.split(",") if v]
     config = list(a.config)
     if not config or "=" in config[0]:
-        config = [str(default_config_path())] + config
+        config = [str(ROOT / "configs" / "base.yml")] + config
     t0 = time.perf_counter()
     rows = run_table(config, hbm=a.hbm, hbm_timeout_s=a.hbm_timeout, sweep=sweep or None,
                      log=lambda *x: print(*x, flush=True))
@@ -214,7 +213,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _shown(path: str) -> str:
     """``path`` relative to the repository when it lies inside it (a results file names no home dir)."""
     try:
-        return str(Path(path).resolve().relative_to(YAMBDA.parents[1]))
+        return str(Path(os.path.abspath(path)).relative_to(ROOT))     # not resolved: configs/base.yml is a link
     except ValueError:
         return path
 

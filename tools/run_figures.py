@@ -2,7 +2,7 @@
 
 A page commits the empty block ``<!-- figures:NAME run -->`` … ``<!-- /figures:NAME -->``; `render`
 fills it from ``docs/figures/<file>`` with the same function that prints the table when the run's
-command is run (`recloss.bench.figures` does the same for the library's benchmarks), so rerunning
+command is run (`tools.figures` does the same for the library's benchmarks), so rerunning
 the command shown above a table is how its figures change.
 """
 
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional
 
-from recloss.bench.figures import FIGURES_DIR, README, RecordError, write_rendered
+from tools.figures import FIGURES_DIR, README, RecordError, write_rendered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class RunTable:
 
 # MaxText's vocab tiling against loss=cutce_pallas, on the Python 3.12 venv where MaxText installs.
 MAXTEXT_TABLE = "\n".join(
-    ".venv312/bin/python -m recloss_plugins.maxtext.table --json docs/figures/data/maxtext.json --resume " + args
+    ".venv312/bin/python -m tools.maxtext_table --json docs/figures/data/maxtext.json --resume " + args
     for args in ("--topologies v6e-8",
                  "--models qwen3-0.6b --topologies v6e-8 --points 4x2048 --columns tiling8 cutce_pallas "
                  "--full-depth qwen3-0.6b",
@@ -56,29 +56,29 @@ MAXTEXT_TABLE = "\n".join(
 RUN_TABLES: Dict[str, RunTable] = {
     "input-bench": RunTable(
         "data/input-bench.json",
-        "python -m recloss_plugins.sasrec.data.input_bench --events 20000000 --steps 30 --memory "
+        "python -m tools.input_bench --events 20000000 --steps 30 --memory "
         "--json docs/figures/data/input-bench.json",
-        "recloss_plugins.sasrec.data.input_bench:format_summary"),
+        "tools.input_bench:format_summary"),
     "prepare-ids": RunTable(
         "data/prepare-ids.json",
-        "python -m recloss_plugins.sasrec.data.input_bench --mode prepare --events 20000000 "
+        "python -m tools.input_bench --mode prepare --events 20000000 "
         "--json docs/figures/data/prepare-ids.json",
-        "recloss_plugins.sasrec.data.input_bench:format_prepare"),
+        "tools.input_bench:format_prepare"),
     "sampled-bias": RunTable(
         "data/sampled-bias.json",
         "recloss-bench --sampled-bias --json docs/figures/data/sampled-bias.json --plot docs/sampled-bias.png",
         "recloss.bench.sampled_bias:format_table"),
     "sampled-bias-sasrec": RunTable(
         "data/sampled-bias-sasrec.json",
-        "python -m recloss_plugins.sasrec.sampled_bias configs/base.yml loss=cutce steps=300 --draws 16 "
+        "python -m tools.sampled_bias configs/base.yml loss=cutce steps=300 --draws 16 "
         "--json docs/figures/data/sampled-bias-sasrec.json",
         "recloss.bench.sampled_bias:format_table"),
     "quality": RunTable(
         "data/quality.json",
         "make quality QUALITY_ARGS='--sweep learning_rate=1e-3,3e-3,1e-2 --hbm --json docs/figures/data/quality.json'",
-        "recloss_plugins.sasrec.quality:format_run"),
-    "maxtext": RunTable("data/maxtext.json", MAXTEXT_TABLE, "recloss_plugins.maxtext.table:format_table"),
-    "maxtext-headline": RunTable("data/maxtext.json", MAXTEXT_TABLE, "recloss_plugins.maxtext.table:format_headline"),
+        "tools.quality:format_run"),
+    "maxtext": RunTable("data/maxtext.json", MAXTEXT_TABLE, "tools.maxtext_table:format_table"),
+    "maxtext-headline": RunTable("data/maxtext.json", MAXTEXT_TABLE, "tools.maxtext_table:format_headline"),
 }
 
 _RUN_BLOCK = re.compile(r"(?P<start><!-- figures:(?P<name>[\w.-]+) run -->\n)(?P<body>.*?)"
@@ -97,8 +97,8 @@ def render(text: str, figures_dir: Optional[Path] = None) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m recloss_plugins.sasrec.figures [--check]``: README.md's run blocks, re-rendered."""
-    parser = argparse.ArgumentParser(prog="python -m recloss_plugins.sasrec.figures", description=main.__doc__)
+    """``python -m tools.run_figures [--check]``: README.md's run blocks, re-rendered."""
+    parser = argparse.ArgumentParser(prog="python -m tools.run_figures", description=main.__doc__)
     parser.add_argument("--check", action="store_true",
                         help="do not write: exit 1 when README.md is not what the results files render")
     parser.add_argument("--readme", default=str(README), help="the README to render (default: %(default)s)")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     except RecordError as err:
         print(f"figures: {err}", file=sys.stderr)
         return 2
-    return write_rendered(readme, text, new, args.check, "python -m recloss_plugins.sasrec.figures")
+    return write_rendered(readme, text, new, args.check, "python -m tools.run_figures")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Input-pipeline benchmark: a generated interaction log -> recloss-prepare-data -> 2 training processes.
 
-    python -m recloss_plugins.sasrec.data.input_bench --events 20000000 --dir /tmp/recloss_input_bench \
+    python -m tools.input_bench --events 20000000 --dir /tmp/recloss_input_bench \
         [--memory] [--json summary.json]
-    python -m recloss_plugins.sasrec.data.input_bench --mode prepare --events 20000000 [--json prep.json]
+    python -m tools.input_bench --mode prepare --events 20000000 [--json prep.json]
 
 Writes a synthetic Parquet log of ``--events`` events (power-law users and items, in row groups,
 never whole in memory) under ``--dir``, prepares it in a child process (wall time, peak RSS),
@@ -33,8 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from recloss_plugins.config import load_config
+from tools.figures import ROOT
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = ROOT
 # A logging window's rate in the trainer's log line ("... | 0.17 steps/s | ...").
 RATE = re.compile(r"\| ([0-9.]+) steps/s \|")
 
@@ -143,7 +144,7 @@ def main(argv=None):
     env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
     run = _prepare(cfg, env)
     out.update(prepare_s=run["wall_s"], prepare_peak_rss_mib=run["peak_rss_mib"], prepare_summary=run["summary"])
-    me = [sys.executable, "-m", "recloss_plugins.sasrec.data.input_bench"]
+    me = [sys.executable, "-m", "tools.input_bench"]
     out["read"] = []
     for pi in range(2):
         r = subprocess.run(me + ["--mode", "read", "--prepared", str(prepared), "--process-index", str(pi),
@@ -173,7 +174,7 @@ def _prepare(cfg, env) -> dict:
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", "import sys, json; "
                         "from recloss_plugins.sasrec.data.prepare import main; "
-                        "from recloss_plugins.sasrec.data.input_bench import _peak_rss_mib; rc = main(sys.argv[1:]); "
+                        "from tools.input_bench import _peak_rss_mib; rc = main(sys.argv[1:]); "
                         "print(json.dumps({'peak_rss_mib': _peak_rss_mib()})); sys.exit(rc)", *cfg],
                        capture_output=True, text=True, env=env, cwd=REPO)
     if r.returncode:

@@ -1,27 +1,42 @@
-"""Where the per-chip memory of a compiled program goes: the buffers live at its peak, largest first,
-each with the HLO op that owns it.
+"""Ahead-of-time compilation for a TPU topology, and what the compiled program holds per chip.
 
-XLA writes its buffer analysis when it dumps a module (``xla_dump_to``, passed here as a compile
-option, so no environment flag and no restart). ``<module>...-live-range.txt`` ends with the values
-live at the program's memory peak ("Live ranges at S (peak):", their sizes summing to the peak); the
-optimized HLO (``<module>...after_optimizations.txt``) says what each value's instruction is and
-which JAX operation made it (``metadata={op_name=...}``; for an argument, its path in the arguments,
-e.g. ``state['params']['item_emb']['embedding']``). `read` joins the two:
+libtpu (``pip install 'jax[tpu]'``) describes a TPU topology and compiles for it on any machine, a
+CPU host included: no TPU is needed to learn whether a step fits a chip. This module names the
+topology's devices, and reads a compiled program's memory three ways:
 
-    compiled = lowered.compile(compiler_options=buffers.dump_options(folder))
-    print(buffers.report(buffers.read(folder), top=5))
+- `memory_report`: ``compiled.memory_analysis()`` per device, MaxText's accounting (arguments +
+  outputs + temporaries − aliased, in bytes);
+- `hbm_bytes`: XLA's own count of the default memory space (HBM on TPU), what the TPU compiler holds
+  against the chip ("the total memory required ... exceeds available HBM"); `memory_analysis` can
+  count more temporaries than XLA reserves;
+- `read` and `report`: the buffers live at the memory peak, largest first, each with the HLO
+  instruction and the JAX operation that made it.
 
-    python -m recloss.bench.buffers DUMP_FOLDER [--top 10]      # a folder XLA dumped into
+::
 
-The peak is XLA's own count for the default memory space (HBM on TPU); it is close to, not equal to,
-`compiled.memory_analysis()`'s arguments + outputs + temporaries − aliased, which also counts the
-temporaries of the other memory spaces (TPU VMEM, SMEM).
+    from recloss import aot
+    aot.libtpu_env()                                  # off a TPU VM: before libtpu loads
+    mesh = aot.one_chip_mesh("v6e-8")                 # or Mesh(aot.topology_devices("v5e-256"), ...)
+    compiled = jax.jit(step).lower(*abstract_args).compile(compiler_options=aot.dump_options(folder))
+    aot.memory_report(compiled)["total"], aot.hbm_bytes(folder)
+    print(aot.report(aot.read(folder), top=5))
+
+    python -m recloss.aot DUMP_FOLDER [--top 10]      # the peak of a folder XLA dumped into
+
+XLA writes its buffer analysis when it dumps a module (``xla_dump_to``, passed as a compile option by
+`dump_options`, so no environment flag and no restart). ``<module>...-live-range.txt`` ends with the
+values live at the program's memory peak ("Live ranges at S (peak):", their sizes summing to the
+peak); the optimized HLO (``<module>...after_optimizations.txt``) says what each value's instruction
+is and which JAX operation made it (``metadata={op_name=...}``; for an argument, its path in the
+arguments, e.g. ``state['params']['item_emb']['embedding']``). A program JAX's persistent compilation
+cache returns was not compiled, so nothing is dumped for it: `read` then says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import os
 import re
@@ -35,6 +50,109 @@ _STEPS = re.compile(r"HloLiveRange \(max (\d+)\)")
 _LIVE_RANGE = "after_optimizations-live-range.txt"
 
 
+# ----------------------------------------------------------------------------- the topology
+class TopologyError(ValueError):
+    """A TPU topology name this module does not know, or libtpu cannot describe."""
+
+
+def libtpu_env() -> None:
+    """Sets (setdefault) what libtpu needs to describe and compile for a topology without a TPU.
+
+    Call before libtpu is loaded. Other processes (test workers, a second benchmark) may hold
+    libtpu's lockfile; compiling for a topology needs no exclusive access to a TPU. Off a TPU VM
+    (TPU_SKIP_MDS_QUERY, which ``import jax`` sets when no TPU chip is attached) libtpu cannot ask
+    the metadata server for the workers: it stores the sentence "WARNING: could not determine TPU
+    worker hostnames ..." as TPU_WORKER_HOSTNAMES and logs "E0000 ... unexpected worker hostname"
+    (and "Failed to find host bounds for accelerator type"). Compiling needs no workers, so this
+    host is named the only one. A TPU VM (no TPU_SKIP_MDS_QUERY) or a pod that lists its workers
+    (TPU_WORKER_HOSTNAMES / TPU_PROCESS_ADDRESSES, as on GKE) is left as it is.
+    """
+    import jax  # noqa: F401  (its cloud_tpu_init sets TPU_SKIP_MDS_QUERY on a machine without a TPU)
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    env = os.environ
+    if env.get("TPU_SKIP_MDS_QUERY") is not None and not env.get("TPU_WORKER_HOSTNAMES") \
+            and not env.get("TPU_PROCESS_ADDRESSES"):
+        env["TPU_WORKER_HOSTNAMES"] = "localhost"   # unset or empty here
+        env.setdefault("TPU_WORKER_ID", "0")
+        env.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+
+
+def libtpu_version():
+    """The installed libtpu's version (what the AOT figures of a program depend on), or None."""
+    import importlib.metadata as md
+
+    for dist in ("libtpu", "libtpu-nightly"):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+# Chips of a slice -> its libtpu shape. Cloud names v6e and v5e slices by chips, v5p and v4 by
+# TensorCores (two a chip): v5p-8 is four chips.
+_TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+                  512: "8x8x8"}
+
+
+def topology_name(name: str) -> str:
+    """A Cloud TPU slice name (MaxText's ``compile_topology``) as libtpu's topology name.
+
+    ``v6e-8`` -> ``v6e:2x4``; ``v5e-16`` (alias ``v5litepod-16``) -> ``v5e:4x4``;
+    ``v5p-16`` / ``v4-16`` (TensorCore counts, 2 per chip) -> ``v5p:2x2x2``. Names already in
+    ``gen:AxB[xC]`` form pass through. Raises `TopologyError` naming the value."""
+    name = name.strip().lower()
+    if re.fullmatch(r"v[0-9a-z]+:\d+(x\d+){1,2}", name):
+        return name
+    m = re.fullmatch(r"(v6e|v5e|v5litepod|v5p|v4)-(\d+)", name)
+    if not m:
+        raise TopologyError(f"{name!r} is not a known TPU name; use e.g. v6e-8, v5e-8, v5p-8, v4-8 or a "
+                            "libtpu topology such as v6e:2x4")
+    gen, count = m.group(1), int(m.group(2))
+    gen = "v5e" if gen == "v5litepod" else gen
+    if gen in ("v6e", "v5e"):
+        table, chips = _TOPOLOGIES_2D, count
+    else:
+        if count % 2:
+            raise TopologyError(f"{name!r}: {gen} sizes count TensorCores (2 per chip); use an even number")
+        table, chips = _TOPOLOGIES_3D, count // 2
+    if chips not in table:
+        raise TopologyError(f"{name!r}: no {gen} topology with {chips} chips is known; known chip counts: "
+                            f"{sorted(table)} (or pass a libtpu name like {gen}:2x4)")
+    return f"{gen}:{table[chips]}"
+
+
+@functools.lru_cache(maxsize=None)
+def topology_devices(name: str, num_slices: int = 1) -> tuple:
+    """The devices of TPU topology ``name`` (`topology_name`'s names), ``num_slices`` slices of it,
+    as libtpu describes them (no TPU needed). Calls `libtpu_env` first."""
+    libtpu_env()
+    from jax.experimental import topologies
+
+    topo = topology_name(name)
+    dims = [int(x) for x in topo.split(":")[1].split("x")]
+    bounds = tuple(min(d, 2) for d in dims[:2]) + (1,)
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chip_config_name="default",
+                                            chips_per_host_bounds=bounds, num_slices=num_slices)
+    except Exception as err:
+        raise TopologyError(f"libtpu could not describe topology {topo!r} (from {name!r}); is libtpu "
+                            f"(jax[tpu]) installed? ({err})") from err
+    return tuple(desc.devices)
+
+
+def one_chip_mesh(name: str):
+    """A one-device `jax.sharding.Mesh` (axis 'chip') on the first chip of topology ``name``:
+    compile under ``jax.set_mesh`` of it for one chip's memory."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(topology_devices(name)[:1]), ("chip",))
+
+
+# ----------------------------------------------------------------------------- memory
 def memory_report(compiled) -> Dict[str, float]:
     """Per-device bytes of a compiled program (MaxText's accounting: args + outputs + temps − aliases)."""
     ma = compiled.memory_analysis()
@@ -124,7 +242,8 @@ def _module_files(folder: str) -> Tuple[str, str]:
     found = glob.glob(os.path.join(folder, "*" + _LIVE_RANGE))
     if not found:
         raise FileNotFoundError(f"no '*{_LIVE_RANGE}' in {folder!r}: compile with "
-                                f"compiler_options=recloss.bench.buffers.dump_options({folder!r}) first")
+                                f"compiler_options=recloss.aot.dump_options({folder!r}) first (a program "
+                                "JAX's persistent compilation cache returns is not compiled, so not dumped)")
     path = max(found, key=os.path.getsize)
     return path, path[: -len("-live-range.txt")] + ".txt"
 
@@ -248,7 +367,7 @@ def report(peak: Peak, top: int = 5) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recloss.bench.buffers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m recloss.aot", description=__doc__.split("\n\n")[0])
     p.add_argument("folder", help="a folder XLA dumped a compiled module into (xla_dump_to)")
     p.add_argument("--top", type=int, default=10, help="how many buffers to list (default 10)")
     args = p.parse_args(argv)

@@ -1,8 +1,8 @@
 """The optimized HLO of loss+grad for a fixed matrix of cases, normalised so that two versions of the
 library can be compared for a refactor that must not change the program.
 
-    python -m recloss.bench.hlo dump DIR      # one .hlo file per case, and the time each took
-    python -m recloss.bench.hlo diff A B      # exit 1 naming each case whose program differs
+    python -m tools.hlo dump DIR      # one .hlo file per case, and the time each took
+    python -m tools.hlo diff A B      # exit 1 naming each case whose program differs
 
 Cases: {cutbce, cutbce_pallas, cutce, cutce_pallas, dense_bce, dense_ce, sampled_softmax} × {defaults;
 bias + options; reduction='none'} × {CPU one device, CPU (2,2,2) data/fsdp/vocab, CPU (1,8,1) fsdp ring,
@@ -29,7 +29,7 @@ if __name__ == "__main__":   # before jax loads: eight CPU devices for the meshe
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from recloss.bench import topology
+from recloss import aot
 
 STRATEGIES = ("cutbce", "cutbce_pallas", "cutce", "cutce_pallas", "dense_bce", "dense_ce", "sampled_softmax")
 VARIANTS = ("defaults", "options", "rows")
@@ -70,7 +70,7 @@ def compile_case(strategy: str, variant: str, mesh_name: str):
     inputs = dict(key=jax.random.key(0)) if objective == "sampled" else {}
     layout = None
     if mesh_name == "v6e1":
-        mesh = topology.one_chip_mesh("v6e-8")      # under set_mesh below: Pallas strategies compile Mosaic
+        mesh = aot.one_chip_mesh("v6e-8")      # under set_mesh below: Pallas strategies compile Mosaic
     elif mesh_name == "cpu1":
         mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("chip",))
     else:
@@ -212,7 +212,7 @@ def diff(a: str, b: str) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recloss.bench.hlo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.hlo", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("dump").add_argument("out_dir")
     d = sub.add_parser("diff")

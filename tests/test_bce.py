@@ -1,4 +1,5 @@
-"""Every strategy against the float64 oracle: loss, gradients, metrics, options, shapes, dtypes.
+"""The BCE objective: every strategy against the float64 oracle: loss, gradients, metrics, options,
+shapes, dtypes.
 
 Criteria: relative error ‖got − ref‖/‖ref‖ ≤ 1e-5 (loss) and ≤ 1e-4 (gradients)
 in float32, ≤ 2e-2 for bfloat16 inputs (against the oracle evaluated on the

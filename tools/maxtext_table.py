@@ -1,6 +1,6 @@
 """MaxText's own vocab tiling against the recloss loss, compiled for TPU topologies: the docs' table.
 
-    python -m recloss_plugins.maxtext.table --models qwen3-0.6b gemma-2b llama3.1-8b \\
+    python -m tools.maxtext_table --models qwen3-0.6b gemma-2b llama3.1-8b \\
         --topologies v6e-8 v5p-8 --points 4x2048 8x4096 --layers 2 --json docs/figures/data/maxtext.json
 
 Each cell is one `recloss_plugins.maxtext.compile` run in a fresh process (MaxText's train_compile
@@ -249,7 +249,7 @@ def _stack() -> Dict[str, str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recloss_plugins.maxtext.table", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.maxtext_table", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "gemma-2b", "llama3.1-8b"])
     parser.add_argument("--topologies", nargs="+", default=["v6e-8", "v5p-8"])

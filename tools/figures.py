@@ -12,9 +12,9 @@ committed record file, ``docs/figures/hbm/jax-<jax>_libtpu-<libtpu>.json``:
 
 (a cell that did not compile holds "OOM" or "error: ..." instead of its bytes and flops).
 
-    recloss-bench --topology v6e-8 --record docs/figures/hbm      # adds/replaces rows of this stack's file
-    python -m recloss.bench.figures                               # renders README.md's marked tables
-    python -m recloss.bench.figures --check                       # exit 1 when README.md differs
+    python -m tools.hbm_figures --topology v6e-8 --record docs/figures/hbm   # adds/replaces rows of this stack's file
+    python -m tools.figures                               # renders README.md's marked tables
+    python -m tools.figures --check                       # exit 1 when README.md differs
 
 A README table is the block between ``<!-- figures:NAME stack=STACK -->`` and
 ``<!-- /figures:NAME -->``; `TABLES` says what NAME shows (topology, objective, shapes, the command
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 FORMAT = 1
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]     # the repository: this folder is not installed
 FIGURES_DIR = ROOT / "docs" / "figures"
 RECORDS_DIR = FIGURES_DIR / "hbm"
 README = ROOT / "README.md"
@@ -193,7 +193,7 @@ class Table:
         return f"--topology {self.topology}{obj}{shapes}"
 
     def command(self, records_dir: str = "docs/figures/hbm") -> str:
-        return f"{ENV} {self.venv}/bin/recloss-bench {self.argv} --record {records_dir}"
+        return f"{ENV} {self.venv}/bin/python -m tools.hbm_figures {self.argv} --record {records_dir}"
 
     def shape_list(self):
         from recloss.bench import topology
@@ -303,7 +303,7 @@ def render_table(name: str, stack: str, records_dir: Optional[Path] = None) -> s
     lines = [
         "```sh",
         f"{table.command()}{comment}",
-        "python -m recloss.bench.figures      # renders README.md's tables from the records (the docs: at build time)",
+        "python -m tools.figures      # renders README.md's tables from the records (the docs: at build time)",
         "```",
         "",
         f"Recorded in [`{rel}`]({rel}) ({versions}):",
@@ -392,7 +392,7 @@ def render_cpu_runs(name: str, figures_dir: Optional[Path] = None) -> str:
 
 # ----------------------------------------------------------------------------- the pod-step tables
 POD_DIR = FIGURES_DIR / "pod"
-POD_RECORD = "python -m recloss_plugins.sasrec.pod_figures --record docs/figures/pod"
+POD_RECORD = "python -m tools.pod_figures --record docs/figures/pod"
 POD_MAKE = "make pod-figures"
 
 
@@ -611,7 +611,7 @@ def recording_commands(rows=GUARD_ROWS) -> List[str]:
     cmds = []
     for t in TABLES.values():
         if any(g.topology == t.topology and g.objective == t.objective for g in rows):
-            cmds.append(f"{ENV} {_this_venv()}/bin/recloss-bench {t.argv} --record docs/figures/hbm")
+            cmds.append(f"{ENV} {_this_venv()}/bin/python -m tools.hbm_figures {t.argv} --record docs/figures/hbm")
     return cmds
 
 
@@ -672,8 +672,16 @@ def compare(measured: Dict[Guarded, dict], stored: Dict[Guarded, dict],
 
 
 # ----------------------------------------------------------------------------- command line
+def config_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser of a recorder that trains a recloss-train config: its positional ``config`` (a YAML
+    file, default configs/base.yml, and key=value overrides)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="*", help="a YAML config (default configs/base.yml) and key=value overrides")
+    return p
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recloss.bench.figures", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.figures", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="do not write: exit 1 when README.md is not what the records render")
@@ -699,7 +707,7 @@ def main(argv=None) -> int:
     except RecordError as err:
         print(f"figures: {err}", file=sys.stderr)
         return 2
-    return write_rendered(readme, text, new, args.check, "python -m recloss.bench.figures")
+    return write_rendered(readme, text, new, args.check, "python -m tools.figures")
 
 
 def write_rendered(readme: Path, text: str, new: str, check: bool, command: str) -> int:

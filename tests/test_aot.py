@@ -1,4 +1,4 @@
-"""recloss.bench.buffers: the largest buffers of a compiled program, from XLA's buffer assignment.
+"""recloss.aot: TPU topology names, and the largest buffers of a compiled program from XLA's buffer assignment.
 
 On CPU: a program is compiled with the dump option and the values live at its memory peak (its
 arguments and a sort's temporary) are found with their sizes, shapes and the JAX op that made them.
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from recloss.bench import buffers
+from recloss import aot
 
 pytestmark = pytest.mark.tier1
 
@@ -22,8 +22,8 @@ def test_cpu_program_peak_arguments_and_temporaries(tmp_path, rng):
     a = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
     b = jnp.asarray(rng.normal(size=(d, n)), jnp.float32)
     lowered = jax.jit(lambda a, b: jnp.sort(a @ b, axis=0)[:4]).lower(a, b)
-    compiled = lowered.compile(compiler_options=buffers.dump_options(str(tmp_path)))
-    peak = buffers.read(str(tmp_path))
+    compiled = lowered.compile(compiler_options=aot.dump_options(str(tmp_path)))
+    peak = aot.read(str(tmp_path))
 
     args = sorted((x for x in peak.buffers if x.kind == "argument"), key=lambda x: x.size)
     assert [(x.size, x.shape) for x in args] == [(m * d * 4, f"f32[{m},{d}]"), (d * n * 4, f"f32[{d},{n}]")]
@@ -37,7 +37,7 @@ def test_cpu_program_peak_arguments_and_temporaries(tmp_path, rng):
     # XLA's own count of the live set is no more than what memory_analysis reports.
     ma = compiled.memory_analysis()
     assert peak.total <= ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-    text = buffers.report(peak, top=3)
+    text = aot.report(peak, top=3)
     assert text.splitlines()[0].startswith("largest buffers at the memory peak (")
     assert len(text.splitlines()) == 4 and f"f32[{d},{n}]" in text
 
@@ -78,7 +78,7 @@ def test_tpu_style_dump_lists_the_peak_with_owners(tmp_path):
     (tmp_path / f"{stem}-live-range.txt").write_text(LIVE_RANGE)
     (tmp_path / f"{stem}-buffer-assignment.txt").write_text(ASSIGNMENT)
     (tmp_path / f"{stem}.txt").write_text(HLO)
-    peak = buffers.read(str(tmp_path))
+    peak = aot.read(str(tmp_path))
     assert (peak.step, peak.steps, peak.total) == (7, 20, 3674112)
     # Only the default memory space's temporaries count toward what XLA reserves (not color 1).
     assert peak.temp_allocation == 3145728
@@ -91,12 +91,26 @@ def test_tpu_style_dump_lists_the_peak_with_owners(tmp_path):
     assert line.split()[:5] == ["2.00", "MiB", "temporary", "f32[2048,256]", "fusion"] and "jvp()/gather" in line
     assert peak.buffers[2].describe().endswith("argument state['params']['w']: f32[512,256]")
     assert peak.bytes_of("argument") == 1572864 and peak.bytes_of("temporary") == 2101248
-    assert "XLA reserves 3.00 MiB for the temporaries" in buffers.report(peak).splitlines()[0]
+    assert "XLA reserves 3.00 MiB for the temporaries" in aot.report(peak).splitlines()[0]
 
 
 def test_missing_dump_names_the_option(tmp_path):
     with pytest.raises(FileNotFoundError, match="dump_options"):
-        buffers.read(str(tmp_path))
+        aot.read(str(tmp_path))
     (tmp_path / "m.after_optimizations-live-range.txt").write_text("HloLiveRange (max 3):\n")
     with pytest.raises(ValueError, match="no 'Live ranges at"):
-        buffers.read(str(tmp_path))
+        aot.read(str(tmp_path))
+
+
+def test_topology_names():
+    assert aot.topology_name("v6e-8") == "v6e:2x4"
+    assert aot.topology_name("v5litepod-16") == "v5e:4x4"
+    assert aot.topology_name("v5p-16") == "v5p:2x2x2"
+    assert aot.topology_name("v4-8") == "v4:2x2x1"
+    assert aot.topology_name("v6e:2x2") == "v6e:2x2"
+    with pytest.raises(aot.TopologyError, match="'tpu8' is not a known TPU name"):
+        aot.topology_name("tpu8")
+    with pytest.raises(aot.TopologyError, match="no v6e topology with 12 chips"):
+        aot.topology_name("v6e-12")
+    with pytest.raises(aot.TopologyError, match="v5p sizes count TensorCores"):
+        aot.topology_name("v5p-7")

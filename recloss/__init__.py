@@ -10,11 +10,13 @@ from recloss.assemble import LossOutput
 from recloss.bias import sampled_bias
 from recloss.options import LossOptions
 from recloss.sampled import log_q_from_counts
+from recloss.softcap import soft_cap
 from recloss.registry import available_strategies, get_strategy, register_strategy, unregister_strategy
-from recloss.sharding import MeshLayout, Specs, padded_vocab_size, psum_in_place
+from recloss.sharding import FSDP_GATHERS, MeshLayout, Specs, check_fsdp_gather, padded_vocab_size, psum_in_place
 from recloss.strategy import Strategy
 
 __all__ = [
+    "FSDP_GATHERS",
     "LossOptions",
     "LossOutput",
     "MeshLayout",
@@ -22,6 +24,7 @@ __all__ = [
     "Strategy",
     "available_strategies",
     "bce_loss",
+    "check_fsdp_gather",
     "get_strategy",
     "log_q_from_counts",
     "padded_vocab_size",
@@ -29,6 +32,7 @@ __all__ = [
     "register_strategy",
     "sampled_bias",
     "sampled_loss",
+    "soft_cap",
     "softmax_loss",
     "unregister_strategy",
 ]

@@ -43,9 +43,3 @@ def _target_metrics(counts, invalid, weight_sum, psum_batch):
     """What every objective reports: num_targets (Σ_i |T_i|), invalid_targets, weight_sum."""
     return {"num_targets": psum_batch(jnp.sum(counts["targets"])), "invalid_targets": invalid,
             "weight_sum": weight_sum}
-
-
-def precision_recall(metrics, eps: float = 1e-12):
-    """Precision and recall at the threshold from `cut_metrics` output."""
-    tp, fp, fn = metrics["tp"], metrics["fp"], metrics["fn"]
-    return tp / jnp.maximum(tp + fp, eps), tp / jnp.maximum(tp + fn, eps)

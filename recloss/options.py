@@ -42,17 +42,18 @@ class LossOptions:
     Attributes:
       reduction: 'mean' (Σ w·ℓ / Σ w, 0 when Σ w = 0), 'sum' (Σ w·ℓ) or 'none'
         (w·ℓ per position, shape of ``hidden[..., 0]``).
-      vocab_reduction: 'mean' divides each position's loss by the vocabulary
+      vocab_reduction: BCE only: 'mean' divides each position's loss by the vocabulary
         size (Keras convention), 'sum' does not.
       pad_id: target id that marks padding (ignored, not counted as invalid).
-      label_smoothing: ε in [0, 1).
-      pos_weight: multiplier of the positive term, > 0.
-      focal_gamma: γ ≥ 0 (0 = plain BCE).
-      focal_alpha: α in [0, 1] or None.
-      threshold: logit threshold for the TP/FP/FN/TN metrics (x > threshold is
+      label_smoothing: ε in [0, 1): BCE's soft labels y(1 − ε) + ε/2; softmax's target
+        distribution (1 − ε) on the targets + ε/V everywhere.
+      pos_weight: BCE only: multiplier of the positive term, > 0.
+      focal_gamma: BCE only: focal γ ≥ 0 (0 = plain BCE).
+      focal_alpha: BCE only: focal α in [0, 1], or None (no α-balancing).
+      threshold: BCE only: logit threshold of the TP/FP/FN/TN metrics (x > threshold is
         a positive prediction).
-      block_v: vocabulary block size (None = chosen from the shape).
-      block_n: row block size (None = chosen from the shape).
+      block_v: blocked strategies: vocabulary block size (None = chosen from the shape).
+      block_n: blocked strategies: row block size (None = chosen from the shape).
       compute_metrics: whether to count TP/FP/FN/TN.
       vocab_size: the real vocabulary size; table rows ≥ vocab_size are inert
         (no loss, no metrics, zero gradient). None = every table row.
@@ -77,8 +78,8 @@ class LossOptions:
     logit_soft_cap is an error for the sampled strategies.
     """
 
-    reduction: str = "mean"
-    vocab_reduction: str = "mean"
+    reduction: str = dataclasses.field(default="mean", metadata={"choices": _REDUCTIONS})
+    vocab_reduction: str = dataclasses.field(default="mean", metadata={"choices": _VOCAB_REDUCTIONS})
     pad_id: int = -1
     label_smoothing: float = 0.0
     pos_weight: float = 1.0
@@ -142,6 +143,25 @@ class LossOptions:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def field_docs(cls) -> dict:
+        """{field: its description}, as the class docstring's ``Attributes:`` section gives it (one line
+        per field, continuation lines joined): what the plugins' config keys say of each option."""
+        docs, name = {}, None
+        lines = cls.__doc__.split("Attributes:", 1)[1].splitlines()
+        for line in lines[1:]:
+            if not line.strip():
+                if docs:
+                    break
+                continue
+            head, sep, rest = line.strip().partition(": ")
+            if sep and line.startswith("      ") and not line.startswith("       ") and head in cls.field_names():
+                name = head
+                docs[name] = rest.strip()
+            elif name is not None:
+                docs[name] += " " + line.strip()
+        return docs
 
     def non_default(self) -> tuple[str, ...]:
         """Names of the fields whose value differs from the default."""

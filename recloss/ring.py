@@ -39,11 +39,6 @@ import jax.numpy as jnp
 from recloss import targets as targets_lib
 from recloss.sweep import Sparse, Sweeps, SweepOut, add_sparse
 
-# `recloss.MeshLayout.fsdp_gather`'s values: gather the table slices once, pass them round the ring, or
-# leave them home and gather the fsdp group's rows instead (`recloss.sharding`).
-GATHERS = ("once", "ring", "rows")
-
-
 class Ring(NamedTuple):
     """The fsdp axis the slices travel on (hashable: part of a static plan)."""
     axis: str

@@ -62,6 +62,30 @@ from recloss.pallas.tiling import LANES
 from recloss.shard import RingShard, VocabShard
 
 
+#: The values of `MeshLayout.fsdp_gather`: gather the table slices once, pass them round the fsdp axis,
+#: or leave them home and gather the fsdp group's rows instead. A strategy says which it takes
+#: (``Strategy.fsdp_gathers``); `check_fsdp_gather` is the one check, for the library and the plugins.
+FSDP_GATHERS = ("once", "ring", "rows")
+_GATHER_WORDS = ("'once': all-gather the table slices once; 'ring': pass them round the fsdp axis; "
+                 "'rows': all-gather the rows instead")
+
+
+def check_fsdp_gather(gather, strategy=None, *, key: str = "MeshLayout.fsdp_gather"):
+    """Raises ValueError, naming ``key`` (how the caller spells the setting) and the value, unless
+    ``gather`` is one of `FSDP_GATHERS` and ``strategy`` (a `recloss.Strategy`, or None for the value
+    alone) takes it. A gather that changes nothing ('ring', 'rows' without an fsdp axis) is the
+    caller's to skip."""
+    if not isinstance(gather, str) or gather not in FSDP_GATHERS:
+        raise ValueError(f"{key}={gather!r}: expected one of {', '.join(map(repr, FSDP_GATHERS))} "
+                         f"({_GATHER_WORDS})")
+    if strategy is not None and gather not in strategy.fsdp_gathers:
+        from recloss.registry import available_strategies, get_strategy   # registry imports this module
+        takers = ", ".join(n for n in available_strategies() if gather in get_strategy(n).fsdp_gathers)
+        raise ValueError(f"{key}={gather!r}: strategy {strategy.name!r} does not take it (it needs the vocab "
+                         f"shard's whole table on each chip); set {key}='once', or use a blocked strategy: "
+                         f"{takers}")
+
+
 def _axes_tuple(name, value) -> Tuple[str, ...]:
     """``value`` (None, an axis name or a sequence of names) as a tuple; ``name`` says what it is in
     the error (e.g. 'MeshLayout.batch_axes')."""
@@ -142,10 +166,7 @@ class MeshLayout:
                                      f"the mesh's axes are {names} (use None for a missing role)")
         if len(set(self.batch_axes)) != len(self.batch_axes):
             raise ValueError(f"MeshLayout.batch_axes={self.batch_axes} repeats an axis")
-        if not isinstance(self.fsdp_gather, str) or self.fsdp_gather not in ring_lib.GATHERS:
-            raise ValueError(f"MeshLayout.fsdp_gather={self.fsdp_gather!r} is not one of "
-                             f"{ring_lib.GATHERS} ('once': all-gather the table slices once; "
-                             f"'ring': pass them round the fsdp axis; 'rows': all-gather the rows instead)")
+        check_fsdp_gather(self.fsdp_gather)
         if self.fsdp_axis is not None and self.fsdp_axis not in self.batch_axes:
             raise ValueError(f"MeshLayout.fsdp_axis={self.fsdp_axis!r} must also be one of batch_axes="
                              f"{self.batch_axes}: FSDP shards split the batch and gather the table")
@@ -344,12 +365,7 @@ def _shard_builder(strategy, layout: MeshLayout, rows: int, vocab_size: int):
     v_local = rows // layout.vocab_shards
     vocab_axis, fsdp_axis = layout.vocab_axis, layout.fsdp_axis
     gather = _gather(layout)
-    if gather != "once" and gather not in strategy.fsdp_gathers:
-        from recloss.registry import available_strategies, get_strategy   # registry imports this module
-        takers = ", ".join(n for n in available_strategies() if gather in get_strategy(n).fsdp_gathers)
-        raise ValueError(f"strategy {strategy.name!r} does not take MeshLayout(fsdp_gather={gather!r}) "
-                         f"(it needs the vocab shard's whole table on each chip); use "
-                         f"fsdp_gather='once', or a blocked strategy: {takers}")
+    check_fsdp_gather(gather, strategy)
     live = lambda axes: tuple(a for a in axes if layout.axis_size(a) > 1)
     # Sums over axes of size 1 are skipped: they would still appear as collectives.
     batch_axes, vocab_axes = live(layout.batch_axes), live((vocab_axis,))

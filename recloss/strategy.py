@@ -35,7 +35,8 @@ class Strategy:
     (the function users call, e.g. 'recloss.bce_loss'), ``platforms``,
     ``options_supported`` (LossOptions fields it honours; any other field set
     to a non-default value is an error at construction), ``fsdp_gathers`` (the
-    `MeshLayout.fsdp_gather` values it runs under).
+    `MeshLayout.fsdp_gather` values it runs under; `recloss.check_fsdp_gather` checks a choice).
+    `xla_partitions` says whether it needs a layout to run over several devices.
 
     An objective's base class implements `local_loss` for one (batch, vocab)
     shard, and may override `row_weights`, `row_scale` and `metrics`.
@@ -67,6 +68,12 @@ class Strategy:
         if not self.supported_on(platform):
             raise ValueError(f"strategy {self.name!r} does not run on platform {platform!r}; "
                              f"strategies that do: {registry.strategies_on(platform)}")
+
+    def xla_partitions(self, platform: str) -> bool:
+        """Whether XLA can partition this strategy's program over several devices of ``platform`` by
+        itself, with no `recloss.MeshLayout`: true of pure-JAX strategies. A Mosaic kernel is one XLA
+        cannot split, so a Pallas strategy compiling its kernel needs a layout (its shard_map) there."""
+        return True
 
     def partition_specs(self, layout) -> sharding.Specs:
         """PartitionSpecs of the loss's arrays under ``layout`` (a `recloss.MeshLayout`)."""

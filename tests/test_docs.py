@@ -24,7 +24,7 @@ from helpers import python_blocks
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md"] + sorted(DOCS.glob("*.md"))
-COVERED = {"sharding.md": "tests/test_readme_example.py::test_sharding_example_runs_and_equals_one_device"}
+COVERED = {"sharding.md": "tests/test_docs_examples.py::test_sharding_example_runs_and_equals_one_device"}
 PRELUDE = {
     # The softmax head's snippet (a list item after the example) uses a reader's hidden states and rngs.
     "flax.md": """
@@ -105,7 +105,7 @@ def _paper_row(data):
 def test_a_record_changed_by_hand_changes_the_rendered_page(site, tmp_path):
     """The benchmark tables are rendered from docs/figures (hbm/, cpu/, pod/, data/) at build time, not
     typed into the page."""
-    from recloss.bench import figures
+    from tools import figures
     stack = "jax-0.10.2_libtpu-0.0.42.1"
     data = json.loads((figures.RECORDS_DIR / f"{stack}.json").read_text())
     gib = _paper_row(data)["hbm_bytes"] / 2**30
@@ -129,7 +129,7 @@ def test_a_record_changed_by_hand_changes_the_rendered_page(site, tmp_path):
     assert f"<td><p>{pod_gib:.2f} GiB" in (site / "sharding.html").read_text()
     pod_row["hbm_bytes"] = int(54.321 * 2**30)
     (copy / "pod" / f"{stack}.json").write_text(figures.dumps(pod))
-    from recloss_plugins.sasrec import figures as run_figures
+    from tools import run_figures
     bench_file = copy / run_figures.RUN_TABLES["input-bench"].file
     bench = json.loads(bench_file.read_text())
     bench["read"][0]["sequences_per_s"] = 12345.6
@@ -198,13 +198,36 @@ def _check_command(words, makefile_targets):
 
 
 @pytest.mark.tier1
+def test_the_options_table_has_every_loss_option_at_its_default():
+    """docs/getting-started.md's options table against recloss.LossOptions: a field without a row, a row
+    naming no field, or a default that is not the field's fails (a new option must be documented)."""
+    import dataclasses
+
+    import recloss
+
+    text = (DOCS / "getting-started.md").read_text(encoding="utf-8")
+    table = text.split("### Options (`recloss.LossOptions`)", 1)[1].split("\n\n", 2)[1]
+    documented = {}
+    for row in table.splitlines()[2:]:
+        names, defaults = (re.findall(r"`([^`]*)`", cell) for cell in row.split("|")[1:3])
+        assert len(names) == len(defaults) or len(defaults) == 1, row
+        for name, default in zip(names, defaults * len(names) if len(defaults) == 1 else defaults):
+            documented[name] = default
+    fields = {f.name: f.default for f in dataclasses.fields(recloss.LossOptions)}
+    assert set(documented) == set(fields), (f"missing rows: {sorted(set(fields) - set(documented))}; "
+                                            f"rows naming no option: {sorted(set(documented) - set(fields))}")
+    for name, default in fields.items():
+        assert documented[name] == repr(default), (name, documented[name], repr(default))
+
+
+@pytest.mark.tier1
 def test_every_shell_command_names_programs_flags_and_keys_that_exist():
     """Commands that need a TPU, a bucket or a real data set are not run; their flags and config
     keys are checked against the parsers that would read them."""
     makefile_targets = set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), re.M))
     checked, problems = 0, []
-    from recloss.bench import figures
-    from recloss_plugins.sasrec import figures as run_figures
+    from tools import figures
+    from tools import run_figures
     for page in PAGES:
         # As rendered: the commands above each benchmark table are checked too.
         text = run_figures.render(figures.render_readme(page.read_text(encoding="utf-8")))
@@ -236,12 +259,11 @@ NOT_RUN = (
     (lambda p, a: p == "make" and a == ["train"],
      "the default job (minutes): tests/test_train.py trains its config on tiny data"),
     (lambda p, a: (p == "make" and a[:1] and a[0] in _MAKE_BENCH) or p in ("recloss-bench", "for")
-     or (p in ("python", "python3") and (a[:1] == ["-c"] or a[1:2] in (["recloss.bench.figures"],
-                                                                     ["recloss_plugins.sasrec.data.input_bench"],
-                                                                     ["recloss_plugins.sasrec.sampled_bias"]))),
+     or (p in ("python", "python3") and (a[:1] == ["-c"] or (a[:1] == ["-m"] and a[1].startswith("tools.")
+                                                                 and a[1] != "tools.maxtext_table"))),
      "a benchmark or figure recording (minutes): its output is the results file the page renders"),
     (lambda p, a: p == "recloss-maxtext-compile" or a[1:2] in (["recloss_plugins.maxtext.train"],
-                                                                ["recloss_plugins.maxtext.table"]),
+                                                                ["tools.maxtext_table"]),
      "needs MaxText and a TPU compile (tests/test_maxtext_*.py)"),
     (lambda p, a: p == "pip", "installs packages"),
     (lambda p, a: p in ("python", "python3") and a[:2] == ["-m", "pytest"],
@@ -276,8 +298,8 @@ def test_documented_trainer_commands_run_on_tiny_data(tmp_path, capsys):
     """Each `recloss-train` / `recloss-prepare-data` command of the pages that can run on a CPU runs, in
     page order (a prepare before the train that reads it), with TINY appended and /data/ paths moved
     under tmp_path; every other command has a reason in NOT_RUN."""
-    from recloss.bench import figures
-    from recloss_plugins.sasrec import figures as run_figures
+    from tools import figures
+    from tools import run_figures
     from recloss_plugins.sasrec.data.prepare import main as prepare_main
     from recloss_plugins.sasrec.train import main as train_main
     ran, unclassified = [], []

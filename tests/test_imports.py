@@ -1,4 +1,5 @@
-"""The import graph: no circles, the library never imports the plugins, no private names across modules.
+"""The import graph: no circles, the library never imports the plugins, the shipped packages never
+import the lab (tools/), the plugins use the library's public API only, no private names across modules.
 
 Imports are read with `ast` (module level and inside functions alike), so an
 in-function import that hides a circle from Python's loader still counts.
@@ -10,13 +11,15 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
 pytestmark = pytest.mark.tier1
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("recloss", "recloss_plugins")
+PACKAGES = ("recloss", "recloss_plugins", "tools")
+SHIPPED = ("recloss", "recloss_plugins")      # the wheel's packages; tools/ is the repository's lab
 
 
 def _modules():
@@ -92,6 +95,38 @@ def test_the_library_never_imports_the_plugins():
     bad = [(name, m, line) for name, path in MODULES.items() if name.split(".")[0] == "recloss"
            for m, _, line in _imports(name, path) if m.split(".")[0] == "recloss_plugins"]
     assert not bad, bad
+
+
+def test_the_shipped_packages_never_import_the_lab():
+    bad = [(name, m, line) for name, path in MODULES.items() if name.split(".")[0] in SHIPPED
+           for m, _, line in _imports(name, path) if m.split(".")[0] == "tools"]
+    assert not bad, bad
+
+
+def _library_public():
+    """(names, modules) the plugins may import from the library: the names of `recloss.__all__`, and
+    the modules the API reference documents whole (``.. automodule::`` in docs/api.md)."""
+    import recloss
+    modules = set(re.findall(r"^\.\. automodule:: (recloss(?:\.\w+)*)\s*$", (ROOT / "docs" / "api.md").read_text(),
+                             re.M))
+    return set(recloss.__all__), modules
+
+
+def test_the_plugins_import_only_the_librarys_public_api():
+    names, modules = _library_public()
+    assert "bce_loss" in names and "recloss.aot" in modules      # the reading found the API
+    bad = []
+    for name, path in MODULES.items():
+        if name.split(".")[0] != "recloss_plugins":
+            continue
+        for mod, attr, line in _imports(name, path):
+            if mod.split(".")[0] != "recloss":
+                continue
+            public = (mod == "recloss" and (attr is None or attr in names)) or mod in modules
+            if not public:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}{'.' + attr if attr else ''}")
+    assert not bad, ("plugins may import recloss, the names of recloss.__all__ and the modules docs/api.md "
+                     "documents (automodule); add what they truly need there:\n" + "\n".join(bad))
 
 
 def test_no_private_module_or_name_is_used_across_packages():

@@ -100,7 +100,7 @@ def test_loss_settings_map_config_keys():
     (dict(loss_fsdp_gather="ring"), r"loss_fsdp_gather='ring' .*loss_fsdp_axis, which is not set"),
     (dict(loss_fsdp_gather="rows"), r"loss_fsdp_gather='rows' gathers the tokens over loss_fsdp_axis, which is not set"),
     (dict(loss="dense_ce", loss_fsdp_gather="ring", loss_batch_axes=["fsdp"], loss_fsdp_axis="fsdp"),
-     r"loss_fsdp_gather='ring': strategy 'dense_ce' does not take it.*'cutce_pallas'"),
+     r"loss_fsdp_gather='ring': strategy 'dense_ce' does not take it.*or use a blocked strategy: .*cutce_pallas"),
 ])
 def test_check_supported_errors(overrides, match):
     with pytest.raises(ValueError, match=match) as err:

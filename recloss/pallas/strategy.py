@@ -77,6 +77,10 @@ class PallasStrategy:
             return self.options.interpret
         return platform != "tpu"
 
+    def xla_partitions(self, platform: str) -> bool:
+        """Only in interpret mode: XLA cannot partition a Mosaic kernel (it needs a `MeshLayout`)."""
+        return self.interpret(platform)
+
     def kernel_config(self, platform: str):
         """(chip, interpret) for a kernel plan on ``platform``: the `tiling.Chip` to tile for, and
         False, True or the ``interpret_params``. Warns once when the kernel is interpreted off TPU."""

@@ -1,4 +1,5 @@
-"""The trainer's configuration keys: type and check of each (defaults live in configs/base.yml).
+"""The trainer's configuration keys: type and check of each (defaults live in configs/base.yml; the loss
+options' keys are read from recloss.LossOptions, `loss_keys.config_specs`).
 
 A key's type is one of ``int``, ``float``, ``bool``, ``str`` or ``list`` (of
 str); ``optional=True`` also admits None (``null`` in YAML, ``none`` on the
@@ -12,7 +13,7 @@ import dataclasses
 from typing import Any, Callable, Optional, Tuple
 
 import recloss
-from recloss_plugins.config.loss_keys import LOSS_OPTION_KEYS, build_loss_options
+from recloss_plugins.config.loss_keys import LOSS_OPTION_KEYS, RENAMED, build_loss_options, config_specs
 
 # Mesh axis names the trainer understands (MaxText's names); `mesh_axes` orders them.
 MESH_AXES = ("data", "fsdp", "vocab")
@@ -44,6 +45,21 @@ def _unit(lo_open=False, hi_open=True):
     hi = (lambda v: v < 1) if hi_open else (lambda v: v <= 1)
     text = f"a float in {'(' if lo_open else '['}0, 1{')' if hi_open else ']'}"
     return Key(float, lambda v: lo(v) and hi(v), text)
+
+
+# LossOptions fields the trainer sets itself (`loss_options`): not config keys.
+FIXED_LOSS_FIELDS = ("reduction", "pad_id", "compute_metrics", "vocab_size")
+
+
+def _loss_keys():
+    """A `Key` for each loss option the trainer's config takes, read from recloss.LossOptions."""
+    out = {}
+    for key, spec in config_specs(exclude=FIXED_LOSS_FIELDS).items():
+        if spec.nonnegative:
+            out[key] = _nonneg_int(f"an int >= 0 (0 = {RENAMED[key].zero})")
+        else:
+            out[key] = Key(spec.type, choices=spec.choices, optional=spec.optional)
+    return out
 
 
 SCHEMA = {
@@ -91,26 +107,11 @@ SCHEMA = {
     # values by recloss.LossOptions; an option the strategy's objective does not take must keep its
     # default (BCE: vocab_reduction, pos_weight, focal_*, loss_threshold; softmax: z_loss, temperature;
     # BCE and softmax: logit_soft_cap; sampled: num_negatives, in_batch_negatives, remove_accidental_hits,
-    # gbce_t).
+    # gbce_t). The option keys themselves are every LossOptions field the trainer does not fix (`_loss_keys`).
     "loss": Key(str),
-    "loss_block_v": _nonneg_int("an int >= 0 (0 = chosen by the strategy)"),
-    "loss_block_n": _nonneg_int("an int >= 0 (0 = chosen by the strategy)"),
-    "label_smoothing": Key(float),
-    "loss_interpret": Key(bool, optional=True),
-    "vocab_reduction": Key(str, choices=("mean", "sum")),
-    "pos_weight": Key(float),
-    "focal_gamma": Key(float),
-    "focal_alpha": Key(float, optional=True),
-    "loss_threshold": Key(float),
-    "z_loss": Key(float),
-    "temperature": Key(float),
-    "logit_soft_cap": Key(float, optional=True),
-    "num_negatives": _pos_int(),
-    "in_batch_negatives": Key(bool),
-    "remove_accidental_hits": Key(bool),
-    "gbce_t": Key(float),
+    **_loss_keys(),
     "sampled_proposal": Key(str, choices=("auto", "counts", "uniform")),
-    "loss_fsdp_gather": Key(str, choices=("once", "ring", "rows")),
+    "loss_fsdp_gather": Key(str, choices=recloss.FSDP_GATHERS),
     # mesh
     "mesh_axes": Key(list, lambda v: sorted(v) == sorted(MESH_AXES),
                      f"a list holding each of {list(MESH_AXES)} once, in mesh order"),

@@ -1,10 +1,12 @@
 """The one mapping from config keys to `recloss.LossOptions` fields, shared by every plugin.
 
-The trainer (`keys.loss_options`), MaxText (`recloss_plugins.maxtext.loss_settings`)
-and `recloss_plugins.flax.make_loss_fn` all build their LossOptions with
-`build_loss_options`, which reads `LOSS_OPTION_KEYS`. A new loss option is one
-line there; a plugin then passes it on once its own schema declares the key's
-type (`keys.SCHEMA` and configs/base.yml for the trainer, `maxtext.config.FIELDS`).
+Every LossOptions field is a config key: under its own name, or under the name `RENAMED` gives it
+(with a conversion: 0 for None where a config cannot say null). `LOSS_OPTION_KEYS` holds them all;
+`config_specs` says what a plugin's schema declares for each (type, default, choices, description,
+all read from LossOptions), so a new option reaches the trainer (`keys.SCHEMA`), MaxText
+(`recloss_plugins.maxtext.config.FIELDS`) and `recloss_plugins.flax.make_loss_fn` without a line
+here, unless its key is spelled differently. Each plugin leaves out the fields it sets itself
+(the trainer: reduction, pad_id, compute_metrics, vocab_size).
 
 Which options a strategy takes depends on its objective (BCE: vocab_reduction,
 pos_weight, focal_*, threshold; softmax: z_loss, temperature; both: logit_soft_cap; sampled: num_negatives,
@@ -35,34 +37,74 @@ def _as_is(value):
 
 @dataclasses.dataclass(frozen=True)
 class LossKey:
-    """How a config key sets a LossOptions field: ``field`` gets ``convert(value)``."""
+    """How a config key sets a LossOptions field: ``field`` gets ``convert(value)``; with `zero_is_none`,
+    ``zero`` says what the config's 0 stands for (the field's None)."""
     field: str
     convert: Callable[[Any], Any] = _as_is
+    zero: str = ""
 
 
-# Config key -> the LossOptions field it sets (one key per field). A plugin reads the keys its own
-# schema declares: the trainer has no loss_pad_id (it pads with item 0) and no loss_vocab_size (the
-# data sets V); MaxText has no loss_vocab_size; make_loss_fn takes all (and the spellings of `option_for`).
-LOSS_OPTION_KEYS = {
-    "loss_block_v": LossKey("block_v", zero_is_none),
-    "loss_block_n": LossKey("block_n", zero_is_none),
-    "vocab_reduction": LossKey("vocab_reduction"),
-    "label_smoothing": LossKey("label_smoothing"),
-    "pos_weight": LossKey("pos_weight"),
-    "focal_gamma": LossKey("focal_gamma"),
-    "focal_alpha": LossKey("focal_alpha"),
+# Config keys spelled differently from the LossOptions field they set (every other field is a key of its
+# own name). A plugin reads the keys its own schema declares: the trainer has no loss_pad_id (it pads with
+# item 0) and no loss_vocab_size (the data sets V); MaxText has no loss_vocab_size; make_loss_fn takes all
+# (and the spellings of `option_for`).
+RENAMED = {
+    "loss_block_v": LossKey("block_v", zero_is_none, "chosen by the strategy"),
+    "loss_block_n": LossKey("block_n", zero_is_none, "chosen by the strategy"),
     "loss_threshold": LossKey("threshold"),
-    "z_loss": LossKey("z_loss"),
-    "temperature": LossKey("temperature"),
-    "logit_soft_cap": LossKey("logit_soft_cap"),
-    "num_negatives": LossKey("num_negatives"),
-    "in_batch_negatives": LossKey("in_batch_negatives"),
-    "remove_accidental_hits": LossKey("remove_accidental_hits"),
-    "gbce_t": LossKey("gbce_t"),
     "loss_interpret": LossKey("interpret"),
     "loss_pad_id": LossKey("pad_id"),
-    "loss_vocab_size": LossKey("vocab_size", zero_is_none),
+    "loss_vocab_size": LossKey("vocab_size", zero_is_none, "every table row"),
 }
+
+
+def _all_keys() -> Dict[str, LossKey]:
+    by_field = {option.field: key for key, option in RENAMED.items()}
+    return {by_field.get(f, f): RENAMED[by_field[f]] if f in by_field else LossKey(f)
+            for f in recloss.LossOptions.field_names()}
+
+
+# Config key -> the LossOptions field it sets, one key per field, in LossOptions' order.
+LOSS_OPTION_KEYS: Dict[str, LossKey] = _all_keys()
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSpec:
+    """What a plugin's schema declares for a loss config key, read from `recloss.LossOptions`: ``type``
+    (str, int, float or bool), ``optional`` (None admitted), ``choices``, ``default`` (the config's
+    spelling of the field's default), ``nonnegative`` (0 stands for None: ``LossKey.zero`` says what),
+    ``doc`` (the field's description)."""
+    key: str
+    field: str
+    type: type
+    optional: bool
+    choices: Optional[Tuple[Any, ...]]
+    default: Any
+    nonnegative: bool
+    doc: str
+
+
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+def config_specs(exclude: Tuple[str, ...] = ()) -> Dict[str, ConfigSpec]:
+    """{config key: `ConfigSpec`} of every LossOptions field but the ``exclude``d ones, in field order."""
+    docs = recloss.LossOptions.field_docs()
+    fields = {f.name: f for f in dataclasses.fields(recloss.LossOptions)}
+    out = {}
+    for key, option in LOSS_OPTION_KEYS.items():
+        if option.field in exclude:
+            continue
+        f = fields[option.field]
+        annotation = f.type if isinstance(f.type, str) else f.type.__name__
+        optional = annotation.startswith("Optional[")
+        base = _TYPES[annotation[len("Optional["):-1] if optional else annotation]
+        zero = option.convert is zero_is_none
+        default = 0 if zero and f.default is None else f.default
+        doc = docs[option.field].replace("None = ", "0 = ") if zero else docs[option.field]
+        out[key] = ConfigSpec(key, option.field, base, optional and not zero, f.metadata.get("choices"), default,
+                              zero, doc)
+    return out
 
 
 class LossOptionError(ValueError):

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 import recloss
-from recloss import softcap
 
 
 def check_layout(layout):
@@ -116,7 +115,7 @@ def dense_scores(hidden, table, bias, options: recloss.LossOptions):
     scores = jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
     if bias is not None:
         scores = scores + bias.astype(jnp.float32)
-    scores = softcap.soft_cap(scores, options.logit_soft_cap)
+    scores = recloss.soft_cap(scores, options.logit_soft_cap)
     if options.temperature != 1.0:
         scores = scores / options.temperature
     if options.vocab_size is not None:

@@ -71,17 +71,45 @@ import math
 from typing import Any, Optional, Tuple
 
 import recloss
-from recloss import ring as ring_lib
 from recloss_plugins.config import LOSS_OPTION_KEYS
+from recloss_plugins.config.loss_keys import config_specs
 from recloss_plugins.flax import resolve_config
 
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """One config key: its annotation name (for the pydantic field), default and description."""
-    type: str
+    """One config key: its annotation (a name of `_annotations`, or a tuple of the values a Literal
+    admits) for the pydantic field, default and description."""
+    type: Any
     default: Any
     description: str
+
+
+# LossOptions fields the MaxText loss sets itself (`loss_settings`): not config keys.
+FIXED_LOSS_FIELDS = ("reduction", "compute_metrics", "vocab_size")
+# What a loss option's key means in MaxText beyond its recloss.LossOptions description.
+_NOTES = {
+    "z_loss": "MaxText's z_loss_multiplier sets it too.",
+    "logit_soft_cap": "None = MaxText's final_logits_soft_cap where MaxText applies it (tied embedding logits), "
+                      "else no cap.",
+    "loss_pad_id": "MaxText already masks padding with targets_segmentation, so -1 (none) is right unless token "
+                   "ids need excluding.",
+    "num_negatives": "Drawn per step from MaxText's RNG state.",
+}
+
+
+def _option_fields():
+    """A `Key` for each loss option key, read from recloss.LossOptions (`config_specs`)."""
+    out = {}
+    for key, spec in config_specs(exclude=FIXED_LOSS_FIELDS).items():
+        if spec.choices:
+            kind = spec.choices
+        elif spec.nonnegative:
+            kind = "NonNegativeInt"
+        else:
+            kind = f"Optional[{spec.type.__name__}]" if spec.optional else spec.type.__name__
+        out[key] = Key(kind, spec.default, " ".join(filter(None, (spec.doc, _NOTES.get(key)))))
+    return out
 
 
 # The annotation strings are resolved against `_annotations()` when the class is built.
@@ -89,41 +117,15 @@ FIELDS = {
     "loss": Key("str", "cutbce", "recloss strategy: one of recloss.available_strategies(); softmax "
                 "(dense_ce, cutce, cutce_pallas: MaxText's token cross-entropy), BCE (dense_bce, cutbce, "
                 "cutbce_pallas) or sampled (sampled_softmax, gbce: uniform negatives from MaxText's RNG state)."),
-    "loss_block_v": Key("NonNegativeInt", 0, "Vocabulary block size of the recloss loss; 0 = chosen by "
-                        "the strategy."),
-    "loss_block_n": Key("NonNegativeInt", 0, "Row block size of the recloss loss; 0 = chosen by the "
-                        "strategy."),
-    "vocab_reduction": Key("VocabReduction", "mean", "BCE only: 'mean' divides each token's loss by the "
-                           "vocabulary size (Keras convention), 'sum' does not."),
-    "label_smoothing": Key("float", 0.0, "Label smoothing ε in [0, 1) of the recloss loss."),
-    "pos_weight": Key("float", 1.0, "BCE only: weight of the positive BCE term, > 0."),
-    "focal_gamma": Key("float", 0.0, "BCE only: focal γ >= 0 (0 = plain BCE)."),
-    "focal_alpha": Key("Optional[float]", None, "BCE only: focal α in [0, 1], or None for no α-balancing."),
-    "loss_threshold": Key("float", 0.0, "Logit threshold of the recloss TP/FP/FN/TN metrics (BCE only)."),
-    "z_loss": Key("float", 0.0, "Softmax strategies: z-loss λ >= 0, adds λ·logsumexp(logits)² per token; "
-                  "MaxText's z_loss_multiplier sets it too."),
-    "temperature": Key("float", 1.0, "Softmax strategies: temperature τ > 0, the logits are divided by it."),
-    "logit_soft_cap": Key("Optional[float]", None, "Soft cap c > 0 of the recloss loss: every logit x becomes "
-                          "c·tanh(x/c); None = MaxText's final_logits_soft_cap where MaxText applies it (tied "
-                          "embedding logits), else no cap."),
-    "num_negatives": Key("int", 128, "Sampled strategies: K >= 1 negative ids drawn per step (at most V)."),
-    "in_batch_negatives": Key("bool", False, "sampled_softmax only: the other tokens' targets are negatives "
-                              "too."),
-    "remove_accidental_hits": Key("bool", True, "Sampled strategies: a drawn negative equal to the token's "
-                                  "target is left out of its loss."),
-    "gbce_t": Key("float", 0.75, "gbce only: gSASRec's calibration t in [0, 1]."),
-    "loss_interpret": Key("Optional[bool]", None, "Run Pallas strategies in interpret mode; None = "
-                          "automatically when not on TPU."),
-    "loss_pad_id": Key("int", -1, "Target id that marks padding. MaxText already masks padding with "
-                       "targets_segmentation, so -1 (none) is right unless token ids need excluding."),
+    **_option_fields(),
     "loss_batch_axes": Key("list[str]", [], "Mesh axes the tokens are split over when the recloss loss "
                            "runs under shard_map; [] = no shard_map (XLA partitions the blocked loss)."),
     "loss_fsdp_axis": Key("Optional[str]", None, "With loss_batch_axes: mesh axis the item table is "
                           "additionally stored over (must be one of loss_batch_axes), or None."),
     "loss_vocab_axis": Key("Optional[str]", None, "With loss_batch_axes: mesh axis the vocabulary is "
                            "split over, or None."),
-    "loss_fsdp_gather": Key("str", "once", "With loss_fsdp_axis: 'once' all-gathers the item table over it "
-                            "once per step; 'ring' passes the slices round it instead (about 1/|fsdp| of the "
+    "loss_fsdp_gather": Key("str", "once", "With loss_fsdp_axis: 'once' all-gathers the item table "
+                            "over it once per step; 'ring' passes the slices round it instead (about 1/|fsdp| of the "
                             "table's memory); 'rows' leaves the slices home and all-gathers the fsdp group's "
                             "tokens instead (ring and rows: blocked strategies only)."),
 }
@@ -157,7 +159,8 @@ def loss_settings(config) -> Tuple[str, recloss.LossOptions]:
     items = {"loss": _get(config, "loss")}
     items.update({key: _get(config, key) for key in OPTION_KEYS})
     name, options = resolve_config(items)
-    supported = recloss.get_strategy(name).options_supported
+    strategy = recloss.get_strategy(name)
+    supported = strategy.options_supported
     multiplier = getattr(config, "z_loss_multiplier", 0.0) or 0.0
     if multiplier and "z_loss" in supported:
         if options.z_loss and options.z_loss != multiplier:
@@ -171,7 +174,7 @@ def loss_settings(config) -> Tuple[str, recloss.LossOptions]:
                              f"both set the logit soft cap of strategy {name!r} to different values; keep one")
         if "logit_soft_cap" not in supported:
             raise ValueError(f"final_logits_soft_cap={cap}: strategy {name!r} "
-                             f"({recloss.get_strategy(name).objective or 'custom'} objective) takes no logit soft "
+                             f"({strategy.objective or 'custom'} objective) takes no logit soft "
                              "cap; unset it or use a BCE or softmax strategy")
         options = options.replace(logit_soft_cap=cap)
     return name, options.replace(reduction="sum", compute_metrics=True)
@@ -202,8 +205,7 @@ def _mesh_axes(config) -> Tuple[Tuple[str, ...], Optional[str], Optional[str], s
     if not batch_axes and (fsdp is not None or vocab is not None):
         raise ValueError(f"loss_fsdp_axis={fsdp!r} / loss_vocab_axis={vocab!r} need loss_batch_axes "
                          "(the mesh axes the tokens are split over) to be set")
-    if gather not in ring_lib.GATHERS:
-        raise ValueError(f"loss_fsdp_gather={gather!r}: expected one of {', '.join(map(repr, ring_lib.GATHERS))}")
+    recloss.check_fsdp_gather(gather, key="loss_fsdp_gather")
     if gather != "once" and fsdp is None:
         what = {"ring": "passes the table slices round", "rows": "gathers the tokens over"}[gather]
         raise ValueError(f"loss_fsdp_gather={gather!r} {what} loss_fsdp_axis, which is not "
@@ -239,7 +241,7 @@ def check_supported(config):
     ``loss_fsdp_gather=ring`` or ``rows`` needs ``loss_fsdp_axis`` and a strategy that takes it).
     """
     name, options = loss_settings(config)
-    recloss.get_strategy(name, options)     # combinations a strategy refuses (label_smoothing with a cap)
+    strategy = recloss.get_strategy(name, options)     # combinations a strategy refuses (smoothing with a cap)
     tiles = getattr(config, "num_vocab_tiling", None)
     if tiles is not None and tiles <= 1:
         raise ValueError(f"num_vocab_tiling={tiles}: the recloss loss needs num_vocab_tiling > 1 so that "
@@ -247,30 +249,29 @@ def check_supported(config):
                          "any value > 1 that divides per_device_batch_size * max_target_length works "
                          "(recloss walks the vocabulary in its own blocks, loss_block_v)")
     z = getattr(config, "z_loss_multiplier", 0.0)
-    if z and "z_loss" not in recloss.get_strategy(name).options_supported:
+    if z and "z_loss" not in strategy.options_supported:
         softmax = [n for n in recloss.available_strategies()
                    if "z_loss" in recloss.get_strategy(n).options_supported]
         raise ValueError(f"z_loss_multiplier={z}: z-loss penalises the softmax normaliser, which strategy "
-                         f"{name!r} ({recloss.get_strategy(name).objective or 'custom'} objective) does not "
+                         f"{name!r} ({strategy.objective or 'custom'} objective) does not "
                          f"have; set z_loss_multiplier=0, or use a softmax strategy ({softmax})")
     vocab = getattr(config, "vocab_size", None)
-    if recloss.get_strategy(name).objective == "sampled" and isinstance(vocab, int) and options.num_negatives > vocab:
+    if strategy.objective == "sampled" and isinstance(vocab, int) and options.num_negatives > vocab:
         raise ValueError(f"num_negatives={options.num_negatives}: strategy {name!r} draws at most vocab_size={vocab} "
                          "negatives per step; lower num_negatives")
-    gather = _mesh_axes(config)[3]
-    if gather not in recloss.get_strategy(name).fsdp_gathers:
-        takers = [n for n in recloss.available_strategies() if gather in recloss.get_strategy(n).fsdp_gathers]
-        raise ValueError(f"loss_fsdp_gather={gather!r}: strategy {name!r} does not take it (it needs the vocab "
-                         f"shard's whole table); set loss_fsdp_gather=once, or use one of {takers}")
+    recloss.check_fsdp_gather(_mesh_axes(config)[3], strategy, key="loss_fsdp_gather")
 
 
-def _annotations():
+def _annotation(kind):
+    """A `Key`'s annotation as a type: a name, or a tuple of the values of a Literal."""
     from typing import Literal
 
     from pydantic.types import NonNegativeInt
+    if isinstance(kind, tuple):
+        return Literal[kind]
     return {"str": str, "int": int, "float": float, "bool": bool, "NonNegativeInt": NonNegativeInt,
-            "VocabReduction": Literal["mean", "sum"], "Optional[float]": Optional[float],
-            "Optional[bool]": Optional[bool], "Optional[str]": Optional[str], "list[str]": list[str]}
+            "Optional[float]": Optional[float], "Optional[bool]": Optional[bool], "Optional[str]": Optional[str],
+            "list[str]": list[str]}[kind]
 
 
 @functools.lru_cache(maxsize=None)
@@ -291,8 +292,7 @@ def config_class(base: Optional[type] = None) -> type:
     taken = sorted(set(FIELDS) & set(base.model_fields))
     if taken:
         raise ValueError(f"{base.__name__} already defines {taken}; recloss cannot add these keys to it")
-    kinds = _annotations()
-    fields = {name: (kinds[key.type], pydantic.Field(key.default, description=key.description))
+    fields = {name: (_annotation(key.type), pydantic.Field(key.default, description=key.description))
               for name, key in FIELDS.items()}
 
     def _check_recloss(self):

@@ -62,7 +62,6 @@ import jax
 import jax.numpy as jnp
 
 import recloss
-from recloss.pallas.strategy import PallasStrategy
 from recloss_plugins.flax import unwrap
 from recloss_plugins.maxtext import config as config_lib
 
@@ -154,8 +153,8 @@ def loss_from_hidden(hidden, table, data, config, *, mesh=None, key=None):
     layout = config_lib.layout_for(config, mesh)
     targets, weights = _targets_and_weights(data)
     strategy = recloss.get_strategy(name, options)
-    if (layout is None and mesh_platform(mesh) == "tpu" and mesh.devices.size > 1
-            and isinstance(strategy, PallasStrategy) and not strategy.interpret("tpu")):
+    platform = mesh_platform(mesh)
+    if layout is None and platform is not None and mesh.devices.size > 1 and not strategy.xla_partitions(platform):
         raise ValueError(f"loss={name!r} runs a Mosaic kernel, which XLA cannot partition over MaxText's "
                          f"{mesh.devices.size}-device mesh: set loss_batch_axes (the mesh axes the tokens are "
                          "split over) so it runs under shard_map, e.g. loss_batch_axes=[data,fsdp] "

@@ -11,7 +11,6 @@ from typing import Dict, List, Optional
 
 from etils import epath
 
-from recloss import metrics as metrics_lib
 
 
 def format_duration(seconds: float) -> str:
@@ -188,9 +187,15 @@ def loss_metrics(objective: str, rows) -> Dict[str, float]:
         if "tp" not in first:
             return {"precision": nan, "recall": nan}
         agg = {k: sum(m[k] for _, m in rows) for k in ("tp", "fp", "fn")}
-        prec, rec = metrics_lib.precision_recall(agg)
+        prec, rec = precision_recall(agg)
         return {"precision": float(prec), "recall": float(rec)}
     return {}
+
+
+def precision_recall(metrics, eps: float = 1e-12):
+    """Precision and recall at the loss's threshold from the BCE metrics' tp, fp and fn."""
+    tp, fp, fn = metrics["tp"], metrics["fp"], metrics["fn"]
+    return tp / max(tp + fp, eps), tp / max(tp + fn, eps)
 
 
 def format_loss_metrics(values: Dict[str, float]) -> str:

@@ -20,7 +20,7 @@ PYTHON312 ?= $(shell for p in "$$(command -v python3.12)" "$$(pyenv root 2>/dev/
 	done)
 STAMP312  := $(VENV312)/.installed
 
-.PHONY: test test-all test-py312 python312 train bench bench-py312 quality docs clean
+.PHONY: test test-all test-py312 test-tpu python312 train bench bench-py312 quality docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,18 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) $(PYTEST) -m "$(or $(TIERS),$(TIERS_ALL))" $(PYTEST_ARGS)
+
+# On a TPU host (docs/kernels.md): the kernels' float64-oracle tests with the Mosaic kernels instead of the
+# interpreter, in one process (the chip takes one program at a time), recorded for the docs. It refuses to
+# run without a TPU backend. The sharded-vs-single-device conventions need the 8-device CPU mesh a TPU host's
+# single chip is not: they stay with the CPU legs. TPU_PYTHON: the host's interpreter with recloss and pytest.
+TPU_PYTHON ?= $(PY)
+TPU_TESTS  := tests/test_bce.py tests/test_softmax.py tests/test_bce_pallas.py tests/test_softmax_pallas.py \
+              tests/test_conventions.py
+TPU_RECORD ?= docs/figures/tpu/tests.json
+test-tpu:
+	JAX_PLATFORMS=tpu,cpu JAX_DEFAULT_MATMUL_PRECISION=highest $(TPU_PYTHON) -m pytest -q -p no:cacheprovider \
+	  -p no:xdist -m "tier1 or tier2" -k "pallas and not sharded_equals_single_device" $(TPU_TESTS) --tpu-record $(TPU_RECORD) $(PYTEST_ARGS)
 
 python312:
 	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found (python3.12 on PATH, or pyenv's versions/3.12.*)" >&2; exit 1; }

@@ -249,3 +249,49 @@ def two_process_run(tmp_path_factory, fresh_seed):
     print(f"two_process_run: seed {record['seed']} (re-run with {SEED_ENV}={record['seed']}), "
           f"{record['seconds']:.0f}s, in {root}")
     return TwoProcessRun(root, record)
+
+
+# ----------------------------------------------------------------------------- make test-tpu
+# `make test-tpu` runs the kernels' oracle tests with the Mosaic kernels on a TPU host (one process:
+# the chip takes one program at a time) and records what ran where (docs/kernels.md renders it).
+def pytest_addoption(parser):
+    parser.addoption("--tpu-record", default=None, metavar="PATH",
+                     help="make test-tpu: refuse to run without a TPU backend, then write the counts, "
+                          "the failed tests, the device, jax and libtpu to PATH (JSON)")
+
+
+def pytest_sessionstart(session):
+    path = session.config.getoption("--tpu-record")
+    session.config._tpu_record_t0 = __import__("time").time()
+    if path and jax.default_backend() != "tpu":
+        raise pytest.UsageError(f"--tpu-record {path}: `make test-tpu` runs on a TPU host, but JAX's backend "
+                                f"is {jax.default_backend()!r} (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r})")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    path = config.getoption("--tpu-record")
+    if not path:
+        return
+    import datetime
+    import json
+    import time
+
+    from recloss import aot
+
+    stats = terminalreporter.stats
+    counts = {k: len([r for r in stats.get(k, ()) if getattr(r, "when", "call") in ("call", "setup")])
+              for k in ("passed", "failed", "skipped", "error")}
+    failed = sorted({r.nodeid for k in ("failed", "error") for r in stats.get(k, ())})
+    device = jax.devices()[0]
+    record = dict(
+        date=datetime.date.today().isoformat(), device=device.device_kind, devices=jax.device_count(),
+        jax=jax.__version__, libtpu=aot.libtpu_version() or "unknown", python=sys.version.split()[0],
+        matmul_precision=str(jax.config.jax_default_matmul_precision),
+        args=[a for a in config.invocation_params.args if not str(a).startswith("--tpu-record")],
+        seconds=round(time.time() - config._tpu_record_t0, 1), exitstatus=int(exitstatus),
+        counts=counts, failed=failed)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    terminalreporter.write_line(f"test-tpu record: {path} ({counts})")

@@ -33,7 +33,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 FORMAT = 1
 ROOT = Path(__file__).resolve().parents[1]     # the repository: this folder is not installed
@@ -216,31 +216,18 @@ class CpuTable:
     (timings are this machine's, not a stack's)."""
     file: str                    # under docs/figures: 'cpu/bce.json'
     args: str = ""               # recloss-bench arguments besides --json
-    target: str = "bench"        # the make target: 'bench-py312' runs the Python 3.12 venv (Tokamax);
-                                 # '' is recloss-bench itself, run where the accelerator is (a TPU VM)
+    target: str = "bench"        # the make target: 'bench-py312' runs the Python 3.12 venv (Tokamax)
 
     def command(self) -> str:
         extra = f"{self.args} " if self.args else ""
-        if not self.target:
-            return f"recloss-bench {extra}--json docs/figures/{self.file}"
         return f'make {self.target} BENCH_ARGS="{extra}--json docs/figures/{self.file}"'
 
 
-_TPU_ARGS = "--batch 8 --seq 256 --dim 256 --repeats 10"   # the paper's per-chip rows and D
 CPU_TABLES: Dict[str, CpuTable] = {
     "cpu-bce": CpuTable("cpu/bce.json"),
     # Tokamax takes one label per position: its peer rows need --labels 1 and Python >= 3.12.
     "cpu-softmax-l1": CpuTable("cpu/softmax-l1.json", "--objective softmax --labels 1 --repeats 7", "bench-py312"),
     "cpu-softmax": CpuTable("cpu/softmax.json", "--objective softmax --repeats 7", "bench-py312"),
-    # Timed on one real TPU v5e chip (a TPU VM with jax 0.10.2 and libtpu 0.0.42.1).
-    "tpu-v5e-bce": CpuTable("tpu/v5e-bce.json", _TPU_ARGS + " --strategies dense_bce,optax,cutbce,cutbce_pallas "
-                            "--vocab 131072", ""),
-    "tpu-v5e-softmax": CpuTable("tpu/v5e-softmax.json", _TPU_ARGS + " --objective softmax --strategies "
-                                "dense_ce,optax,cutce,cutce_pallas --vocab 131072", ""),
-    "tpu-v5e-bce-paper": CpuTable("tpu/v5e-bce-paper.json", _TPU_ARGS + " --strategies cutbce,cutbce_pallas "
-                                  "--vocab 876939", ""),
-    "tpu-v5e-softmax-paper": CpuTable("tpu/v5e-softmax-paper.json", _TPU_ARGS + " --objective softmax "
-                                      "--strategies cutce,cutce_pallas --vocab 876939", ""),
 }
 
 
@@ -253,6 +240,42 @@ class CpuRuns:
     def command(self) -> str:
         stems = " ".join(Path(f).with_suffix("").as_posix() for f in self.files)
         return f'for f in {stems}; do make bench BENCH_ARGS="--json docs/figures/$f.json"; done'
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipRecord:
+    """What a command run on a TPU host wrote (the on-chip suite, `make test-tpu`), rendered by
+    ``render(payload)``: `recloss.bench.chip`'s formatters, the same recloss-bench prints."""
+    file: str                    # under docs/figures
+    command: str
+    render: Callable[[dict], str]
+
+
+def _chip_formatter(name: str) -> Callable[[dict], str]:
+    def render(payload: dict) -> str:
+        from recloss.bench import chip
+        return getattr(chip, name)(payload)
+    return render
+
+
+_SUITE = "recloss-bench --chip --json docs/figures/tpu/v5e-suite.json"
+CHIP_RECORDS: Dict[str, ChipRecord] = {
+    # Timed on one real TPU v5e chip: `make test-tpu` and the suite ran there (docs/kernels.md).
+    "tpu-v5e-suite": ChipRecord("tpu/v5e-suite.json", _SUITE, _chip_formatter("format_table")),
+    "tpu-v5e-suite-summary": ChipRecord("tpu/v5e-suite.json", _SUITE, _chip_formatter("format_summary")),
+    "tpu-tests": ChipRecord("tpu/tests.json", "make test-tpu TPU_PYTHON=python3", _chip_formatter("format_tests")),
+}
+
+
+def render_chip_record(name: str, figures_dir: Optional[Path] = None) -> str:
+    """The block of chip record ``name`` from ``<figures_dir>/<file>`` (without its marker lines)."""
+    rec = CHIP_RECORDS[name]
+    path = Path(FIGURES_DIR if figures_dir is None else figures_dir) / rec.file
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise RecordError(f"cannot read chip record {path} ({err}): write it on a TPU host with `{rec.command}`") from err
+    return rec.render(payload)
 
 
 CPU_RUNS: Dict[str, CpuRuns] = {
@@ -546,9 +569,11 @@ def render_readme(text: str, records_dir: Optional[Path] = None, stacks: Optiona
         name = m.group("name")
         if name in CPU_RUNS:
             return m.group("start") + render_cpu_runs(name, figures_dir) + "\n" + m.group("end")
+        if name in CHIP_RECORDS:
+            return m.group("start") + render_chip_record(name, figures_dir) + "\n" + m.group("end")
         if name not in CPU_TABLES:
             raise RecordError(f"block figures:{name} cpu names no CPU table "
-                              f"(known: {', '.join([*CPU_TABLES, *CPU_RUNS])})")
+                              f"(known: {', '.join([*CPU_TABLES, *CPU_RUNS, *CHIP_RECORDS])})")
         return m.group("start") + render_cpu_table(name, figures_dir) + "\n" + m.group("end")
 
     def sub_pod(m):

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Optional
 
-from recloss.bench import peers, plot
+from recloss.bench import chip, peers, plot
 from recloss.bench.rows import (MATMULS_ONLY, OBJECTIVES, OPTAX, OPTAX_LABEL, OPTAX_SOFTMAX_LABEL,  # noqa: F401
                                 TOKAMAX, Objective, Row, expand_peers, format_cpu, format_cpu_total,
                                 format_topology, is_peer, rows_for)
@@ -228,7 +228,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dim", type=int, default=None)
     parser.add_argument("--labels", type=int, default=None)
     parser.add_argument("--block-v", type=int, default=None, help="vocab block size (default: chosen)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per strategy (>= 5 recommended)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per strategy (>= 5 recommended; default 5, --chip 9)")
     parser.add_argument("--precision", choices=("default", "high", "highest"), default=None,
                         help="jax.default_matmul_precision for every row and the ceiling (Tokamax takes no "
                              "precision argument; this is the equivalent)")
@@ -256,7 +257,37 @@ def _parser() -> argparse.ArgumentParser:
                              "v6e AOT compile and CPU time per step vs V, dense and blocked strategies of both "
                              "objectives (a few minutes; --quick: seconds, smaller shapes); needs matplotlib: "
                              "pip install 'recloss[plot]'")
+    parser.add_argument("--chip", action="store_true",
+                        help="the on-chip suite (a TPU only; recloss.bench.chip): every strategy at the paper's "
+                             "and an LLM head's shapes, f32 and bf16, beside the XLA chain, Tokamax where installed "
+                             "and each kernel's roofline probes, checked before timed, medians of --repeats "
+                             "interleaved rounds (default 9) beside the chip's own matmul and HBM rates")
+    parser.add_argument("--chip-shapes", default=None,
+                        help="--chip: comma-separated suite shapes (default all: "
+                             + ", ".join(chip.SHAPES) + ")")
     return parser
+
+
+def _chip(parser, args) -> dict:
+    import jax
+
+    shapes = args.chip_shapes.split(",") if args.chip_shapes else list(chip.SHAPES)
+    unknown = [s for s in shapes if s not in chip.SHAPES]
+    if unknown:
+        parser.error(f"--chip-shapes: unknown shape(s) {unknown}: expected some of {list(chip.SHAPES)}")
+    if jax.default_backend() != "tpu":
+        parser.error(f"--chip measures a TPU: JAX's backend here is {jax.default_backend()!r} "
+                     "(for TPU memory without a chip, use --topology)")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    def partial(payload):
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(payload, fh, indent=2)
+
+    payload = chip.run(shapes, rounds=args.repeats or 9, partial=partial)
+    print(chip.format_table(payload))
+    return payload
 
 
 def _strategies(parser, args, objective) -> tuple:
@@ -351,6 +382,19 @@ def _cpu_payload(args, objective, strategies, shape) -> dict:
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.repeats is None and not args.chip:
+        args.repeats = 5
+    if args.chip:
+        payload = _chip(parser, args)
+        failed = [r["row"] for r in payload["rows"] if r.get("check") == "FAILED"
+                  or ("compile_error" in r and r["kind"] != "peer" and not r["row"].startswith("dense_"))]
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(payload, fh, indent=2)
+            _log(f"[bench] wrote {args.json}")
+        if failed:
+            _log(f"[bench] FAILED a check or did not compile (not timed): {', '.join(failed)}")
+        return 1 if failed else 0
     if args.sampled_bias:
         return _sampled_bias(parser, args)
     if args.plot:

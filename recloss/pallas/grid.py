@@ -32,6 +32,7 @@ core axis' semantics (`recloss.pallas.tiling`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -75,6 +76,47 @@ class Spec(NamedTuple):
     flops: int                  # flops per (row, column, padded D lane): 2 per matmul
     transcendentals: int        # per (row, column), without the soft cap's tanh
     soft_cap: Optional[float] = None   # `LossOptions.logit_soft_cap`: the tile sees c·tanh(X/c)
+    matmuls: bool = True        # False only in the 'elementwise' roofline probe (`probe`)
+
+
+# The roofline probes of `recloss-bench --chip` (`probe`): the same grid, blocks and HBM traffic with
+# one unit's work taken away, so a kernel's time can be set beside what each unit alone costs.
+PROBES = ("matmuls", "elementwise")
+_probe: list = [None]
+
+
+@contextlib.contextmanager
+def probe(kind: Optional[str]):
+    """Kernels traced inside run a roofline probe instead of their objective (a measurement, not a loss):
+
+    'matmuls'      the three MXU products only: G = X (no objective math; row outputs get Σ_lanes X);
+    'elementwise'  the objective's per-logit math on a stand-in X (a broadcast, no MXU product) and
+                   G summed into dA's first 128 lanes instead of the products (dE written as zeros).
+    None: the kernels themselves.
+    """
+    if kind not in PROBES + (None,):
+        raise ValueError(f"probe must be one of {PROBES} or None, got {kind!r}")
+    old, _probe[0] = _probe[0], kind
+    try:
+        yield
+    finally:
+        _probe[0] = old
+
+
+def _probed(spec: Spec) -> Spec:
+    kind = _probe[0]
+    if kind == "elementwise":
+        return spec._replace(name=spec.name + "_elementwise", matmuls=False)
+    if kind == "matmuls":
+        first = spec.row_out[0].name if spec.row_out else None
+
+        def tile(st: Step):
+            if first is not None:
+                st.ref[first][st.rows, :] += lane_fold(st.x)
+            if spec.grad:
+                st.grad(st.x)
+        return spec._replace(name=spec.name + "_matmuls", tile=tile, soft_cap=None, transcendentals=0)
+    return spec
 
 
 class Step:
@@ -191,6 +233,11 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
             gr = gr * step.slope
         if step.live is not None:
             gr = jnp.where(step.live, gr, 0.0)
+        if not spec.matmuls:      # the 'elementwise' probe: G kept live without the MXU
+            ref["da"][step.rows, :tiling.LANES] += lane_fold(gr)
+            if has_bias:
+                ref["db"][...] += jnp.sum(gr, axis=0, keepdims=True)
+            return
         gc = gr.astype(g.cdt)
         ref["da"][step.rows, :] += jnp.dot(gc, step.e, precision=g.precision,
                                            preferred_element_type=jnp.float32)
@@ -233,8 +280,12 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
             def sub_tile(s, carry):
                 rows = pl.ds(pl.multiple_of(s * bs, bs), bs)
                 a_s = ref["a"][rows, :].astype(g.cdt)
-                x = jax.lax.dot_general(a_s, e_blk, (((1,), (1,)), ((), ())), precision=g.precision,
-                                        preferred_element_type=jnp.float32)
+                if spec.matmuls:
+                    x = jax.lax.dot_general(a_s, e_blk, (((1,), (1,)), ((), ())), precision=g.precision,
+                                            preferred_element_type=jnp.float32)
+                else:             # the 'elementwise' probe: a stand-in X that varies by row and lane
+                    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, bv), 1).astype(jnp.float32)
+                    x = a_s[:, :1].astype(jnp.float32) + e_blk[:1, :1].astype(jnp.float32) * lanes
                 if bias is not None:
                     x = x + bias
                 x, slope = softcap.capped(x, spec.soft_cap, grad=grad)
@@ -278,6 +329,7 @@ def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vo
     Returns dict with each `RowOut` [cores, bn, 128], da [cores, bn, Dp] f32,
     de [V_local, Dp], db [1, V_local] f32 (gradient specs; db with a bias).
     """
+    spec = _probed(spec)
     g = _geometry(t, a, e)
     inputs, outputs, aliases, scratch = _operands(spec, t, g, a, e, b, row_in, de_in, db_in, de_dtype)
     out_names = [n for n, _, _ in outputs]

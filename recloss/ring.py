@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from recloss import targets as targets_lib
-from recloss.sweep import Sparse, Sweeps, SweepOut, add_sparse
+from recloss.sweep import Sparse, Sweeps, SweepOut, sparse_part
 
 class Ring(NamedTuple):
     """The fsdp axis the slices travel on (hashable: part of a static plan)."""
@@ -113,7 +113,7 @@ _MERGES = {"sum": _merge_sum, "lse": _merge_lse}
 def _ring_sweep(mode: str, a, e, b, r, vocab_offset, plan: "Plan", fwd=None, sparse=None) -> SweepOut:
     """One mode of `SWEEPS`: the inner plan's sweep of each slice as it passes, merged per row; with
     ``sparse`` (a `recloss.sweep.Sparse`, ids local to the vocab shard) the inner plan's sparse term
-    on the targets each slice owns, at the same visit (`recloss.sweep.add_sparse`)."""
+    on the targets each slice owns, at the same visit (`recloss.sweep.sparse_part`)."""
     ring, rows, inner = plan.ring, plan.ring.rows, plan.inner
     run = getattr(inner.sweeps, mode)
     merge = _MERGES[inner.combine]
@@ -121,9 +121,11 @@ def _ring_sweep(mode: str, a, e, b, r, vocab_offset, plan: "Plan", fwd=None, spa
     base = jnp.asarray(vocab_offset, jnp.int32)
 
     def visit(s, e_k, b_k):
-        o = run(a, e_k, b_k, r, base + ring.held(s) * rows, inner, fwd)
-        if sparse is not None:
-            o = add_sparse(mode, inner, o, a, e_k, b_k, r, Sparse(*_slice_ids(*sparse, ring.held(s), rows)))
+        part = None if sparse is None else sparse_part(mode, inner, a, e_k, b_k, r,
+                                                       Sparse(*_slice_ids(*sparse, ring.held(s), rows)))
+        o = run(a, e_k, b_k, r, base + ring.held(s) * rows, inner, fwd, **(part.kwargs if part else {}))
+        if part is not None:
+            o = part.finish(o)
         return ((o.value, o.aux), o.da), o.de, o.db
 
     def merge_all(old, new):

@@ -118,26 +118,56 @@ class Sparse(NamedTuple):
     valid: Any
 
 
-def add_sparse(mode: str, plan: Plan, out: SweepOut, a, e, b, r, sp: Sparse) -> SweepOut:
-    """``out`` (one dense sweep of the piece e [R, D], b [R] or None) with ``plan.sparse`` over the
-    targets ``sp`` on the same piece: x = a·e[ids] + b[ids] [M, L] f32 (soft-capped with
-    ``logit_soft_cap``; 0 where not valid); value += sparse(x); in 'fused' mode, with
-    G = r·∂sparse/∂x (times the cap's slope), dA += G e[ids], dE[ids] += G·a, db[ids] += G
-    (`recloss.targets.scatter_rows` into out's dE). aux becomes (out.aux, x)."""
+class SparsePart(NamedTuple):
+    """``plan.sparse`` over the targets of one table piece, computed before the piece's dense sweep
+    (`sparse_part`): ``kwargs`` go to the sweep, ``finish`` adds the rest to what it returns.
+
+    x [M, L] f32 the target logits (soft-capped; 0 where not valid), value [M] f32 the term per row;
+    in 'fused' mode ids [M, L], g [M, L] f32 = r·∂term/∂x (times the cap's slope; 0 where not valid)
+    and da [M, D] f32 = G·e[ids], else None."""
+    x: Any
+    value: Any
+    ids: Any = None
+    g: Any = None
+    da: Any = None
+
+    @property
+    def kwargs(self) -> Dict:
+        """For the sweep: ``sparse_de=(ids, G)``, so it adds dE[ids] += G·a and db[ids] += G while its
+        dE is float32 (a 16-bit table's gradient is then rounded once); {} without a gradient."""
+        return {} if self.g is None else {"sparse_de": (self.ids, self.g)}
+
+    def finish(self, out: SweepOut) -> SweepOut:
+        """``out`` (the sweep given `kwargs`) with value += the term, dA += its part; aux becomes (aux, x)."""
+        out = out._replace(value=out.value + self.value, aux=(out.aux, self.x))
+        return out if self.da is None else out._replace(da=out.da + self.da)
+
+
+def sparse_part(mode: str, plan: Plan, a, e, b, r, sp: Sparse) -> SparsePart:
+    """``plan.sparse`` over the targets ``sp`` of the piece e [R, D] (b [R] or None): x = a·e[ids] +
+    b[ids] (soft-capped with ``logit_soft_cap``), its value and, in 'fused' mode, G and dA's part."""
     grad = mode == "fused"
     rows, x = targets_lib.take_logits(a, e, b, sp.ids)                 # rows [M, L, D]
     x, slope = softcap.capped(x, plan.opts.logit_soft_cap, grad=grad)
     x = jnp.where(sp.valid, x, 0.0)
     value, dx = plan.sparse(x, sp.valid, plan.opts, grad)
-    out = out._replace(value=out.value + value, aux=(out.aux, x))
     if not grad:
-        return out
+        return SparsePart(x, value)
     if slope is not None:
         dx = dx * slope
     g = jnp.where(sp.valid, dx * r[:, None], 0.0)
-    da = out.da + jnp.einsum("ml,mld->md", g.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
-    de, db = targets_lib.scatter_rows(a, g, sp.ids, e.shape[0], b is not None, into=(out.de, out.db))
-    return out._replace(da=da, de=de, db=db)
+    da = jnp.einsum("ml,mld->md", g.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
+    return SparsePart(x, value, sp.ids, g, da)
+
+
+def add_sparse_de(a, de, db, sparse_de):
+    """(dE, db) of a sweep with ``sparse_de`` = (ids [M, L], G [M, L] f32) added: dE[ids] += G·a,
+    db[ids] += G (`recloss.targets.scatter_rows`), in dE's dtype (f32 where a sweep calls it: its one
+    rounding to the table's dtype comes after). ``sparse_de`` None: unchanged."""
+    if sparse_de is None:
+        return de, db
+    ids, g = sparse_de
+    return targets_lib.scatter_rows(a, g, ids, de.shape[0], db is not None, into=(de, db))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -291,12 +321,13 @@ def sweep_total(a, shard, r, plan, sparse=None):
     and the backward only scales them by the cotangent. value, aux as `SweepOut`.
 
     ``sparse``: a `Sparse` of the shard's targets (ids local to the shard): ``plan.sparse`` over
-    their logits is added to value on each piece the sweep visits (`add_sparse`; a ring visits the
+    their logits is added to value on each piece the sweep visits (`sparse_part`; a ring visits the
     slices), so its gradient is in the same residuals; aux is then (aux, target logits [M, L])."""
-    kw = {"sparse": sparse} if sparse is not None and plan.walks else {}
+    kw = {"sparse": sparse} if sparse is not None and plan.walks else {}   # a ring: at each visit
+    part = None if sparse is None or kw else sparse_part("loss", plan, a, shard.table, shard.bias, None, sparse)
     out = plan.sweeps.loss(a, shard.table, shard.bias, None, shard.offset, plan, None, **kw)
-    if sparse is not None and not plan.walks:
-        out = add_sparse("loss", plan, out, a, shard.table, shard.bias, None, sparse)
+    if part is not None:
+        out = part.finish(out)
     return jnp.sum(r * out.value), out.aux
 
 
@@ -304,9 +335,11 @@ def _total_fwd(a, shard, r, plan, sparse=None):
     """`sweep_total`'s VJP forward: the 'fused' sweep (and sparse term); its gradients are the
     residuals."""
     kw = {"sparse": sparse} if sparse is not None and plan.walks else {}
-    out = plan.sweeps.fused(a, shard.table, shard.bias, r, shard.offset, plan, None, **kw)
-    if sparse is not None and not plan.walks:
-        out = add_sparse("fused", plan, out, a, shard.table, shard.bias, r, sparse)
+    part = None if sparse is None or kw else sparse_part("fused", plan, a, shard.table, shard.bias, r, sparse)
+    out = plan.sweeps.fused(a, shard.table, shard.bias, r, shard.offset, plan, None,
+                            **(part.kwargs if part is not None else kw))
+    if part is not None:
+        out = part.finish(out)
     return (jnp.sum(r * out.value), out.aux), (out.value, out.da, out.de, out.db, a, shard)
 
 

@@ -76,7 +76,7 @@ def gather_logits(hidden, table, bias, ids):
 
 def take_logits(hidden, table, bias, ids):
     """(rows [M, L, D] = table[ids], x [M, L] f32 = hidden·rows + bias[ids]): the gathered rows, for
-    a caller that uses them again (`recloss.sweep.add_sparse`), and their logits."""
+    a caller that uses them again (`recloss.sweep.sparse_part`), and their logits."""
     rows = jnp.take(table, ids, axis=0)
     x = jnp.einsum("md,mld->ml", hidden, rows, preferred_element_type=jnp.float32)
     if bias is not None:

@@ -59,6 +59,7 @@ class OracleResult:
     metric_slack: Σ_i |w_i|·#{live v: x_iv within 1e-4·max(1, |x|) of the threshold};
       a float32 implementation may classify those elements either way.
     logits: the float64 logits [M, R].
+    dlogits: ∂L/∂logits [M, R] in float64 (BCE), what an implementation multiplies into dA and dE.
     """
     loss: object
     rows: np.ndarray
@@ -68,6 +69,7 @@ class OracleResult:
     metrics: Dict[str, float]
     metric_slack: float
     logits: np.ndarray
+    dlogits: Optional[np.ndarray] = None
 
 
 def f64(x) -> np.ndarray:
@@ -221,7 +223,7 @@ def bce_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent=Non
     }
     near = (np.abs(x - threshold) <= 1e-4 * np.maximum(1.0, np.abs(x))) & live
     slack = float((np.abs(w) * near.sum(1)).sum())
-    return OracleResult(loss, ell.reshape(lead), grads, loss_abs, grad_scale, metrics, slack, x)
+    return OracleResult(loss, ell.reshape(lead), grads, loss_abs, grad_scale, metrics, slack, x, g)
 
 
 # ======================================================================== softmax objective

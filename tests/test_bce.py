@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import recloss
-from helpers import assert_close, CANCEL_FLOOR, cancel_floor, make_case, make_targets, options_for, strategies
+from helpers import assert_close, CANCEL_FLOOR, cancel_floor, make_case, rel_err, make_targets, options_for, strategies
 from oracle import bce_oracle, f64, labels_and_invalid, pq_terms
 
 pytestmark = pytest.mark.tier1
@@ -423,6 +423,42 @@ def test_one_well_predicted_target_cancels_within_the_floor(strategy, rng):
     case = dict(hidden=jnp.asarray(x, jnp.float32), table=jnp.ones((1, 1), jnp.float32),
                 targets=jnp.zeros((6, 1), jnp.int32), weights=None, bias=None)
     check_against_oracle(strategy, case, {}, rng)
+
+
+# A 16-bit table's gradient must be rounded once: the background's dE and the target correction's are
+# summed in float32 and cast after (before, the sum was done in the table's dtype). The baseline is
+# dense_bce's error on the same inputs, except for the Mosaic kernel in bfloat16: its MXU products take
+# bfloat16 operands, so G is rounded to bfloat16 before them, as a dense loss's is on a TPU at default
+# precision (dense_bce's products on a CPU are float32): its baseline is one such product pass,
+# bf16(bf16(G)ᵀ·A), from the oracle's G.
+@pytest.mark.parametrize("block_n", [None, 16], ids=["one-row-tile", "row-chunks"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_a_16_bit_tables_gradient_is_rounded_once(dtype, block_n, rng):
+    # B=8, N=12, D=32, V=1,001, L=4; block_n=16 makes the kernel walk its rows in chunks (an f32 dE across
+    # them), one tile keeps a bfloat16 dE in the kernel (the correction added in its f32 accumulator).
+    # Judged on the whole dE and on the target rows alone (where a second rounding would land).
+    case = make_case(rng, lead=(8, 12), V=1001, D=32, L=4, dtype=dtype)
+    ref = bce_oracle(**case)
+    truth = ref.grads["table"]
+    ids = np.asarray(case["targets"]).ravel()
+    parts = {"dE": slice(None), "dE[targets]": np.unique(ids[(ids >= 0) & (ids < 1001)])}
+    grads = {}
+    for name in STRATEGIES:
+        _, _, g, _ = run_loss(name, case, dict(block_n=block_n, block_v=256), evaluate=False)
+        assert g["table"].dtype == dtype
+        grads[name] = f64(g["table"])
+    one_pass = None
+    if dtype == jnp.bfloat16:
+        bf16 = lambda x: f64(jnp.asarray(x, jnp.bfloat16))
+        one_pass = bf16(bf16(ref.dlogits).T @ f64(case["hidden"]).reshape(-1, truth.shape[1]))
+    for what, rows in parts.items():
+        errs = {name: rel_err(got[rows], truth[rows]) for name, got in grads.items()}
+        base = {name: errs["dense_bce"] for name in errs}
+        if one_pass is not None:
+            base["cutbce_pallas"] = rel_err(one_pass[rows], truth[rows])
+        print(f"{what} relative error vs float64, {jnp.dtype(dtype).name}: {errs}; baselines {base}")
+        for name, err in errs.items():
+            assert err <= 1.2 * base[name], f"{name}: {what} error {err:.3g} > 1.2 x its baseline's {base[name]:.3g}"
 
 
 # ------------------------------------------------------------------------- random search

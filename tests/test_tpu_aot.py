@@ -147,6 +147,25 @@ def test_pallas_other_shapes_v6e(shape, label, chunked):
     assert ideal <= flops <= 1.01 * ideal
 
 
+# An LLM head with a bfloat16 table (what MaxText hands the loss): M = 8,192 rows, V = 151,936, D = 1,024
+# on v5e. Every row stays in one resident tile (the gradient kernels' vocab blocks halved rather than the
+# rows chunked), so dE_j is summed in VMEM and written once in bfloat16: no f32 [V, D] accumulator in HBM
+# (594 MiB here). Before, both kernels held over 600 MiB of temporaries at this shape.
+LLM_HEAD = topology.Shape(4, 2048, 1024, 151_936, L=1, dtype="bfloat16")
+
+
+@pytest.mark.tier2
+@pytest.mark.parametrize("strategy,mode", [("cutbce_pallas", "fused"), ("cutce_pallas", "grad")])
+def test_a_bf16_table_at_an_llm_head_keeps_its_gradient_in_vmem(strategy, mode):
+    chip, t = _tiling_under("v5e-8", ("bce" if strategy.startswith("cutbce") else "softmax", mode), LLM_HEAD)
+    print(f"\n{strategy} {mode} at the LLM head: bn={t.bn} bs={t.bs} bv={t.bv} chunks={t.num_chunks} "
+          f"(~{t.vmem_bytes / 2**20:.1f} MiB VMEM)")
+    assert t.num_chunks == 1
+    compiled = topology.compile_loss_grad(strategy, "v5e-8", LLM_HEAD)
+    ma, _, _ = _report(f"{strategy} v5e-8 LLM head bf16", compiled, LLM_HEAD)
+    assert ma.temp_size_in_bytes <= 64 * 2**20
+
+
 @pytest.mark.tier2
 def test_topology_rows_cells():
     rows = topology.topology_rows("v6e-8", ["dense_bce", "cutbce_pallas"],

@@ -25,21 +25,21 @@ from recloss.bce.bernoulli import background_coefficients, bernoulli_parts
 _MODES = {"loss": (True, False), "fused": (True, True), "grad": (False, True)}   # (want_loss, want_grad)
 
 
-def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *,
+def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *, sparse_de=None,
           parts=bernoulli_parts) -> sweep_lib.SweepOut:
     """One blocked pass over vocab blocks for rows a [M, D] in ``mode`` ('loss', 'fused', 'grad'):
     the `cutbce` plan's sweeps (`SWEEPS`), on `recloss.sweep.blocked`.
 
     r [M] scales each row's gradient (unused, and may be None, in 'loss' mode); ``fwd`` is unused
     (BCE's gradient needs no forward value). ``parts``: the per-logit math (`bernoulli_parts`'s
-    signature); `recloss-bench`'s matmuls-only ceiling swaps in the identity.
+    signature); `recloss-bench`'s matmuls-only ceiling swaps in the identity. ``sparse_de``: a sparse
+    term's (ids, G) added to the f32 dE and db (`recloss.sweep.add_sparse_de`).
     Returns SweepOut(bg rows [M] f32, predicted-positive rows [M] f32, dA [M, D] f32,
     dE [V_local, D] f32, db [V_local] f32 or None); entries not asked for are None.
     """
     want_loss, want_grad = _MODES[mode]
     opts = p.opts
     d = a.shape[1]
-    cdt = jnp.promote_types(a.dtype, e.dtype)
     cp, cq = background_coefficients(opts)
     count = want_loss and opts.compute_metrics
 
@@ -65,9 +65,10 @@ def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *,
                 g = g * slope
             if live is not None:
                 g = jnp.where(live, g, 0.0)
-            gc = g.astype(cdt)
-            row_out["da"] = jnp.dot(gc, e_j, preferred_element_type=jnp.float32)
-            block_out["de"] = jnp.dot(gc.T, a_s, preferred_element_type=jnp.float32)
+            # G stays float32 in its products: 16-bit inputs are promoted (on a TPU at default precision
+            # XLA rounds it for the MXU as a dense loss's autodiff does; float16 would underflow r·G').
+            row_out["da"] = jnp.dot(g, e_j, preferred_element_type=jnp.float32)
+            block_out["de"] = jnp.dot(g.T, a_s, preferred_element_type=jnp.float32)
             if b_j is not None:
                 block_out["db"] = jnp.sum(g, axis=0)
         return row_out, block_out
@@ -85,8 +86,8 @@ def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *,
             emit["db"] = ()
     rows = {"r": r} if want_grad else {}
     carry, outs = sweep_lib.blocked(a, e, b, rows, vocab_offset, p.blocks, tile=tile, init=init, emit=emit)
-    return sweep_lib.SweepOut(carry.get("bg"), carry.get("pred"), carry.get("da"), outs.get("de"),
-                              outs.get("db"))
+    de, db = sweep_lib.add_sparse_de(a, outs.get("de"), outs.get("db"), sparse_de)
+    return sweep_lib.SweepOut(carry.get("bg"), carry.get("pred"), carry.get("da"), de, db)
 
 
 # The `cutbce` plan's `recloss.sweep.Sweeps`: one function per mode.

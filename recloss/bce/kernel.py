@@ -77,7 +77,8 @@ def _spec(mode: str, opts: LossOptions) -> grid.Spec:
                      transcendentals=_transcendentals(opts, grad), soft_cap=opts.logit_soft_cap)
 
 
-def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None, sparse_de=None
+          ) -> sweep_lib.SweepOut:
     """The background of rows ``a`` [M, D] against ``e`` [V_local, D] in one kernel sweep: the
     mode of the `cutbce_pallas` plan's sweeps (`SWEEPS`; ``fwd`` is unused).
 
@@ -85,7 +86,9 @@ def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -
     SweepOut(bg [M] f32, predicted counts [M] f32, dA [M, D] f32, dE [V_local, D],
     db [V_local] f32); entries the mode does not produce are None. dE is f32,
     or the table's dtype when one row chunk covers all rows (the sum over rows
-    is then complete in f32 before the single rounding).
+    is then complete in f32 before the single rounding). ``sparse_de`` = (ids [M, L], G [M, L] f32): a
+    sparse term's dE[ids] += G·a and db[ids] += G, added where dE is still f32 (in the kernel's VMEM
+    accumulator when it writes a 16-bit dE, `recloss.pallas.grid.sweep`).
     """
     opts = plan.opts
     m, d = a.shape
@@ -96,11 +99,15 @@ def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None) -
     loss = mode in ("fused", "loss")
     res = grid.sweep(_spec(mode, opts), t, a, e, b, vocab_offset, rows=[("r", r, 0.0)] if grad else [],
                      vocab_size=plan.vocab_size, static_offset=plan.static_offset,
-                     interpret=plan.interpret)
+                     interpret=plan.interpret, sparse_de=sparse_de)
     bg = res.summed("bg", tiling.LANES).sum(-1) if loss else None
     cnt = res.summed("cnt", tiling.LANES).sum(-1) if "cnt" in res.per_chunk else None
     da = res.summed("da", d) if grad else None
     de, db = res.table_grads()
+    if sparse_de is not None and res.sparse_in_de:      # dE has it; the bias gradient is f32
+        de, db = de, None if db is None else db.at[sparse_de[0].reshape(-1)].add(sparse_de[1].reshape(-1))
+    else:
+        de, db = sweep_lib.add_sparse_de(a, de, db, sparse_de)
     return sweep_lib.SweepOut(bg, cnt, da, de, db)
 
 

@@ -73,16 +73,18 @@ class CutBCE(BlockedStrategy, BCEStrategy):
         or `sweep_rows` for reduction='none') plus the sparse correction of the shard's own targets
         (`recloss.bce.bernoulli.correction`), and the per-row counts; summed over the vocab shards.
 
-        On a ring (a plan that walks the slices) the scalar loss's correction is the sweep's sparse
-        term, computed at each slice's visit: the table travels once per step, not three times (the
-        sweep, the target gather and its VJP), and no gather ring holds slices of its own. On a
-        gathered shard the correction goes through its own gather, whose scatters XLA applies to the
-        background's dE in place (docs/design.md "Measured choices")."""
+        A scalar loss's correction is the sweep's sparse term (`recloss.sweep.sparse_part`) on a ring and
+        for a 16-bit table. On a ring it is computed at each slice's visit, so the table travels once per
+        step, not three times (the sweep, the target gather and its VJP); with a 16-bit table its
+        gradient joins the background's while that is still float32, so the table's gradient is rounded
+        once. A float32 table's gathered shard takes the correction through its own gather, whose
+        scatters XLA applies to the background's dE in place (docs/design.md "Measured choices").
+        reduction='none' always does."""
         opts = self.options
         scalar = opts.reduction != "none"
         ids, valid = shard.local_targets(targets, opts.pad_id)
         plan = self.plan(hidden.shape[0], shard)
-        if scalar and plan.walks:
+        if scalar and (plan.walks or jnp.dtype(shard.table.dtype).itemsize < 4):
             loss, (predicted, x) = sweep.sweep_total(hidden, shard, row_scale, plan, sweep.Sparse(ids, valid))
         else:
             x = softcap.soft_cap(shard.gather_logits(hidden, ids, valid), opts.logit_soft_cap)

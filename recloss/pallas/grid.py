@@ -194,10 +194,12 @@ def _operands(spec: Spec, t: tiling.Tiling, g: _Geometry, a, e, b, row_in, de_in
     place) and the VMEM scratch (an f32 dE accumulator for a 16-bit dE)."""
     grad, v_local = spec.grad, e.shape[0]
     bn, bv, cores, dp = t.bn, t.bv, t.cores, t.d_pad
-    col = lambda: pl.BlockSpec((bv, dp), lambda c, j, o: (g.block(c, j), 0))        # E_j, dE_j
-    lane = lambda: pl.BlockSpec((1, bv), lambda c, j, o: (0, g.block(c, j)))        # b_j, db_j
-    resident = lambda w: pl.BlockSpec((bn, w), lambda c, j, o: (0, 0))           # A, row inputs
-    per_core = lambda w: pl.BlockSpec((None, bn, w), lambda c, j, o: (c, 0, 0))  # lane outputs, dA
+    col = lambda: pl.BlockSpec((bv, dp), lambda c, j, *_: (g.block(c, j), 0))      # E_j, dE_j
+    lane = lambda: pl.BlockSpec((1, bv), lambda c, j, *_: (0, g.block(c, j)))      # b_j, db_j
+    # Resident blocks keep their index for a core's whole walk: one buffer each when the tiling says so.
+    one = dict(pipeline_mode=pl.Buffered(1)) if t.resident_buffers == 1 else {}
+    resident = lambda w: pl.BlockSpec((bn, w), lambda c, j, *_: (0, 0), **one)         # A, row inputs
+    per_core = lambda w: pl.BlockSpec((None, bn, w), lambda c, j, *_: (c, 0, 0), **one)  # lane outputs, dA
     inputs = [(n, x, spec_) for n, x, spec_ in (
         ("a", a, resident(dp)), ("e", e, col()), ("b", b, lane()),
         *((n, x, resident(1)) for n, x in row_in),
@@ -218,7 +220,7 @@ def _operands(spec: Spec, t: tiling.Tiling, g: _Geometry, a, e, b, row_in, de_in
 
 
 def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: int, vocab_size: int,
-            has_bias: bool, accumulate: bool, mask_cols: bool, de_scratch: bool):
+            has_bias: bool, accumulate: bool, mask_cols: bool, de_scratch: bool, pairs: bool = False):
     """The kernel body: at the first step of each core the resident outputs are filled; every step
     reads E_j (its rows past V_local zeroed), masks dead columns, starts dE_j/db_j (from the last
     chunk's when accumulating) and runs ``spec.tile`` over the row sub-tiles of bs rows."""
@@ -247,7 +249,28 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
         if has_bias:
             ref["db"][...] += jnp.sum(gr, axis=0, keepdims=True)
 
+    def add_pairs(ref, jg, acc, start, pid, prow, pg):
+        # A sparse term's dE_j[id − j·bv] += G·A[row] for the pairs whose id falls in block j (sorted by
+        # id; `_pairs`), into the f32 accumulator before its one rounding. Aligned groups of rows are
+        # read and written (of A: its dtype's sublane packing, 16 rows for 16 bits; 8 of the
+        # accumulator), the one wanted picked by an iota mask.
+        sub = tiling.sublanes(ref["a"].dtype)
+
+        def one(p, carry):
+            col, row = pid[p] - jg * bv, prow[p]
+            base = pl.multiple_of((row // sub) * sub, sub)
+            a_grp = ref["a"][pl.ds(base, sub), :].astype(jnp.float32)
+            pick = jax.lax.broadcasted_iota(jnp.int32, (sub, 1), 0) == row - base
+            upd = pg[p] * jnp.sum(jnp.where(pick, a_grp, 0.0), axis=0, keepdims=True)      # [1, Dp]
+            cbase = pl.multiple_of((col // 8) * 8, 8)
+            put = jax.lax.broadcasted_iota(jnp.int32, (8, 1), 0) == col - cbase
+            acc[pl.ds(cbase, 8), :] += jnp.where(put, upd, 0.0)
+            return carry
+        jax.lax.fori_loop(start[jg], start[jg + 1], one, 0)
+
     def kernel(off_ref, *refs):
+        if pairs:
+            (start, pid, prow, pg), refs = refs[:4], refs[4:]
         ref = dict(zip(ref_names, refs))
         c, j = pl.program_id(0), pl.program_id(1)
         jg = c * g.nbc + j
@@ -293,6 +316,8 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
                 return carry
 
             jax.lax.fori_loop(0, nsub, sub_tile, 0)
+            if pairs:
+                add_pairs(ref, jg, ref["de_acc"], start, pid, prow, pg)
             if de_scratch:
                 ref["de"][...] = ref["de_acc"][...].astype(ref["de"].dtype)
 
@@ -320,12 +345,13 @@ def _cost(spec: Spec, t: tiling.Tiling, a, e, *, outputs, rows_in: int, has_bias
 
 
 def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vocab_size: int,
-         mask_cols: bool, de_dtype, interpret):
+         mask_cols: bool, de_dtype, interpret, pairs=None):
     """One pallas_call over all vocab blocks for one row tile.
 
     a [bn, Dp], e [V_local, Dp], b [1, V_local] or None, row_in [(name, [bn, 1]
     f32)], de_in [V_local, Dp] f32 / db_in [1, V_local] f32 (accumulated into,
-    aliased to the outputs) or None, off [1] int32.
+    aliased to the outputs) or None, off [1] int32, pairs: None or a sparse term's dE pairs for a
+    16-bit dE (`_pairs`: block starts [nb+1], ids, rows [P] int32, G [P] f32; scalar-prefetched).
     Returns dict with each `RowOut` [cores, bn, 128], da [cores, bn, Dp] f32,
     de [V_local, Dp], db [1, V_local] f32 (gradient specs; db with a bias).
     """
@@ -334,14 +360,17 @@ def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vo
     inputs, outputs, aliases, scratch = _operands(spec, t, g, a, e, b, row_in, de_in, db_in, de_dtype)
     out_names = [n for n, _, _ in outputs]
     flags = dict(has_bias=b is not None, accumulate=de_in is not None)
+    if pairs is not None and not scratch:
+        raise ValueError("a sparse term's dE pairs go into the f32 accumulator of a 16-bit dE only")
     kernel = _kernel(spec, t, g, [n for n, _, _ in inputs] + out_names + (["de_acc"] if scratch else []),
                      v_local=e.shape[0], vocab_size=vocab_size, mask_cols=mask_cols, de_scratch=bool(scratch),
-                     **flags)
+                     pairs=pairs is not None, **flags)
+    prefetch = (off,) + (tuple(pairs) if pairs is not None else ())
     core_axis = t.chip.core_semantics if t.cores > 1 else "arbitrary"
     outs = pl.pallas_call(
         kernel,
         out_shape=[o for _, o, _ in outputs],
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(t.cores, g.nbc),
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(prefetch), grid=(t.cores, g.nbc),
                                                in_specs=[s for _, _, s in inputs],
                                                out_specs=[s for _, _, s in outputs],
                                                scratch_shapes=scratch),
@@ -351,18 +380,20 @@ def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vo
         cost_estimate=_cost(spec, t, a, e, outputs=outputs, rows_in=len(row_in), **flags),
         interpret=interpret,
         name=spec.name,
-    )(off, *[x for _, x, _ in inputs])
+    )(*prefetch, *[x for _, x, _ in inputs])
     return dict(zip(out_names, outs))
 
 
 class Result(NamedTuple):
     """What `sweep` returns: per-core row outputs {name: [chunks, cores, bn, w]} and the raw
-    (D-padded) dE [V_local, Dp] / db [1, V_local] (None where not produced)."""
+    (D-padded) dE [V_local, Dp] / db [1, V_local] (None where not produced); ``sparse_in_de``: a sparse
+    term's dE is already in dE (added in the kernel, before a 16-bit dE's rounding)."""
     per_chunk: dict
     de: Any
     db: Any
     m: int
     d: int
+    sparse_in_de: bool = False
 
     def summed(self, name: str, width: int):
         """[M, width] of output ``name``: the core partials summed, padded rows and lanes dropped."""
@@ -383,8 +414,22 @@ class Result(NamedTuple):
         return de, db
 
 
+def _pairs(ids, g, bv: int, nb: int):
+    """A sparse term's dE as pairs sorted by id, for the kernel to add block by block: (starts [nb+1]
+    int32: block j's pairs are [starts[j], starts[j+1]); ids, rows [P] int32; G [P] f32), P = M·L,
+    from ids [M, L] (local, 0 where not valid) and G [M, L] (0 where not valid)."""
+    l = ids.shape[1]
+    flat = ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat)
+    pid = flat[order]
+    prow = (order // l).astype(jnp.int32)
+    pg = g.reshape(-1).astype(jnp.float32)[order]
+    starts = jnp.searchsorted(pid, jnp.arange(nb + 1, dtype=jnp.int32) * bv).astype(jnp.int32)
+    return starts, pid, prow, pg
+
+
 def sweep(spec: Spec, t: tiling.Tiling, a, e, b, vocab_offset, *, rows: Sequence = (), vocab_size: int,
-          static_offset: Optional[int], interpret) -> Result:
+          static_offset: Optional[int], interpret, sparse_de=None) -> Result:
     """Rows ``a`` [M, D] against ``e`` [V_local, D] (bias ``b`` [V_local] or None) in one sweep.
 
     rows: per-row inputs [(name, [M] vector, fill for padded rows)], cast to
@@ -392,7 +437,9 @@ def sweep(spec: Spec, t: tiling.Tiling, a, e, b, vocab_offset, *, rows: Sequence
     Python int (else None: traced), for deciding whether columns need masking.
     float16 operands are widened to float32 first (`tiling.kernel_dtype`).
     dE is f32, or the table's (kernel) dtype when one row chunk covers all rows
-    (the sum over rows is then complete in f32 before the single rounding).
+    (the sum over rows is then complete in f32 before the single rounding). ``sparse_de`` (ids [M, L], G
+    [M, L] f32), with such a 16-bit dE: dE[ids] += G·A added in the kernel before that rounding
+    (`Result.sparse_in_de`); otherwise left to the caller (dE is then f32).
     """
     a, e = a.astype(tiling.kernel_dtype(a.dtype)), e.astype(tiling.kernel_dtype(e.dtype))
     b = None if b is None else b.astype(tiling.kernel_dtype(b.dtype))
@@ -410,8 +457,11 @@ def sweep(spec: Spec, t: tiling.Tiling, a, e, b, vocab_offset, *, rows: Sequence
     run = functools.partial(call, spec, t, vocab_size=vocab_size, mask_cols=mask_cols, de_dtype=de_dtype,
                             interpret=interpret)
 
+    pairs = None
+    if spec.grad and sparse_de is not None and jnp.dtype(de_dtype) != jnp.float32:
+        pairs = _pairs(*sparse_de, t.bv, -(-v // t.bv))
     if t.num_chunks == 1:
-        out = run(a_p, e_p, b_p, list(zip(names, row_p)), None, None, off)
+        out = run(a_p, e_p, b_p, list(zip(names, row_p)), None, None, off, pairs=pairs)
         per_chunk = {k: x[None] for k, x in out.items() if k not in ("de", "db")}
         de, db = out.get("de"), out.get("db")
     else:
@@ -427,7 +477,7 @@ def sweep(spec: Spec, t: tiling.Tiling, a, e, b, vocab_offset, *, rows: Sequence
         init = (jnp.zeros((v, dp), jnp.float32) if spec.grad else None,
                 jnp.zeros((1, v), jnp.float32) if (spec.grad and b is not None) else None)
         (de, db), per_chunk = jax.lax.scan(chunk, init, (a_c, row_c), unroll=_unroll(t.num_chunks))
-    return Result(per_chunk, de, db, m, d)
+    return Result(per_chunk, de, db, m, d, pairs is not None)
 
 
 # Up to this many row chunks the scan is unrolled, so XLA's cost analysis counts every call; past it

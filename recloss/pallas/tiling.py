@@ -166,6 +166,7 @@ class Tiling:
     d_pad: int
     vmem_bytes: int
     chip: Chip
+    resident_buffers: int = 2   # 1: the resident blocks single-buffered (`pl.Buffered(1)`), see `choose`
 
     @property
     def rows(self) -> int:
@@ -191,8 +192,9 @@ def sublanes(dtype) -> int:
 
 
 def vmem_estimate(mode: tuple, bn: int, bs: int, bv: int, d_pad: int, a_bytes: int, e_bytes: int, *,
-                  bias: bool, accumulate: bool) -> int:
-    """VMEM bytes one kernel call needs (per TensorCore), pipelined blocks double-buffered."""
+                  bias: bool, accumulate: bool, resident_buffers: int = 2) -> int:
+    """VMEM bytes one kernel call needs (per TensorCore), the vocab blocks double-buffered and the
+    resident ones (row tile, per-row vectors, dA) ``resident_buffers`` times."""
     spec = MODES[mode]
     grad, row_vectors = spec.grad, spec.row_vectors
     per_row = d_pad * (a_bytes + (4 if grad else 0)) + LANES * 4 * row_vectors
@@ -200,7 +202,7 @@ def vmem_estimate(mode: tuple, bn: int, bs: int, bv: int, d_pad: int, a_bytes: i
     per_col = d_pad * (e_bytes + de_bytes + (4 if accumulate else 0))
     per_col += 8 * 4 * ((1 if bias else 0) + (1 if grad and bias else 0))   # [1, bv] pads to 8 sublanes
     scratch = bv * d_pad * 4 if grad and e_bytes < 4 else 0   # f32 dE accumulator for 16-bit tables
-    return 2 * (bn * per_row + bv * per_col) + scratch + spec.temps * bs * bv * 4
+    return resident_buffers * bn * per_row + 2 * bv * per_col + scratch + spec.temps * bs * bv * 4
 
 
 def _inner_rows(bn: int, sub: int) -> int:
@@ -227,6 +229,7 @@ class _Problem(NamedTuple):
     who: str              # the strategy (or kernel sweep) named in errors
     where: str            # the budget, in words
     estimate: Callable    # estimate(bn, bs, bv, chunks) -> VMEM bytes
+    narrow_de: bool       # a gradient mode with a 16-bit table: row chunks would cost an f32 [V, D] in HBM
 
 
 def choose(mode: tuple, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: LossOptions, *,
@@ -260,12 +263,12 @@ def choose(mode: tuple, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Lo
                          f"{np.dtype(a_dtype).name} hidden states: the TPU (8, 128) tiling rule needs "
                          f"a multiple of {sub} rows; {where}")
 
-    def estimate(bn, bs, bv, chunks):
+    def estimate(bn, bs, bv, chunks, resident_buffers=2):
         return vmem_estimate(mode, bn, bs, bv, d_pad, a_bytes, e_bytes, bias=bias,
-                             accumulate=chunks > 1 and spec.grad)
+                             accumulate=chunks > 1 and spec.grad, resident_buffers=resident_buffers)
 
     p = _Problem(m, _round_up(max(m, 1), sub), v_local, _round_up(v_local, LANES), d, d_pad, sub, spec.temps,
-                 budget, who, where, estimate)
+                 budget, who, where, estimate, spec.grad and e_bytes < 4)
     if opts.block_n is not None:
         return _explicit_rows(p, opts, chip)
     return _automatic_rows(p, opts, chip)
@@ -320,6 +323,16 @@ def _automatic_rows(p: _Problem, opts: LossOptions, chip: Chip) -> Tiling:
     one = _round_up(p.m_pad, bs)
     if est(one, bs, bv, 1) <= p.budget:
         return Tiling(one, bs, bv, 1, _cores(chip, p.v_local, bv), p.d_pad, est(one, bs, bv, 1), chip)
+    if p.narrow_de and opts.block_v is None:
+        # Row chunks would accumulate a 16-bit table's dE across chunks in an f32 [V, D] HBM buffer (594 MiB
+        # at an LLM head). One resident tile, single-buffered (its index never changes), with vocab blocks
+        # halved down to 256, is cheaper when it fits: dE_j is then complete in VMEM before its one rounding.
+        narrow = bv
+        while est(one, bs, narrow, 1, 1) > p.budget and narrow > 2 * LANES:
+            narrow = _halve(narrow)
+        if est(one, bs, narrow, 1, 1) <= p.budget:
+            return Tiling(one, bs, narrow, 1, _cores(chip, p.v_local, narrow), p.d_pad,
+                          est(one, bs, narrow, 1, 1), chip, resident_buffers=1)
     per_row = (est(2 * bs, bs, bv, 2) - est(bs, bs, bv, 2)) / bs
     max_bn = bs * max(1, int((p.budget - est(bs, bs, bv, 2)) / per_row / bs) + 1)
     chunks = math.ceil(p.m_pad / max_bn)

@@ -264,6 +264,15 @@ CHIP_RECORDS: Dict[str, ChipRecord] = {
     "tpu-v5e-suite": ChipRecord("tpu/v5e-suite.json", _SUITE, _chip_formatter("format_table")),
     "tpu-v5e-suite-summary": ChipRecord("tpu/v5e-suite.json", _SUITE, _chip_formatter("format_summary")),
     "tpu-tests": ChipRecord("tpu/tests.json", "make test-tpu TPU_PYTHON=python3", _chip_formatter("format_tests")),
+    # After the bf16-table change of the gradient kernels (one resident tile, dE rounded from VMEM): the two
+    # shapes it moves, and the kernel tests it touches.
+    "tpu-v5e-suite-bf16-table": ChipRecord(
+        "tpu/v5e-suite-bf16-table.json", "recloss-bench --chip --chip-shapes llm-head-bf16,paper-bf16 --repeats 5 "
+        "--json docs/figures/tpu/v5e-suite-bf16-table.json", _chip_formatter("format_table")),
+    "tpu-tests-kernels": ChipRecord(
+        "tpu/tests-kernels.json", "make test-tpu TPU_PYTHON=python3 TPU_RECORD=docs/figures/tpu/tests-kernels.json "
+        "PYTEST_ARGS=\"-k 'rounded_once or sparse_term or cancels or test_bf16 or all_options or odd_shapes'\"",
+        _chip_formatter("format_tests")),
 }
 
 

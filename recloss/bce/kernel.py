@@ -105,7 +105,8 @@ def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None, s
     da = res.summed("da", d) if grad else None
     de, db = res.table_grads()
     if sparse_de is not None and res.sparse_in_de:      # dE has it; the bias gradient is f32
-        de, db = de, None if db is None else db.at[sparse_de[0].reshape(-1)].add(sparse_de[1].reshape(-1))
+        if db is not None:
+            db = db.at[sparse_de[0].reshape(-1)].add(sparse_de[1].reshape(-1))
     else:
         de, db = sweep_lib.add_sparse_de(a, de, db, sparse_de)
     return sweep_lib.SweepOut(bg, cnt, da, de, db)

@@ -45,25 +45,26 @@ class Shape:
     D: int
     L: int
     dtype: str          # of hidden and table
-    note: str = ""
 
     @property
     def key(self) -> str:
         return f"{self.name}-{'f32' if self.dtype == 'float32' else 'bf16'}"
 
     @property
-    def useful_flops(self) -> int:
-        return 6 * self.B * self.N * self.V * self.D
+    def entry(self) -> Callable:
+        """The objective's entry point (`recloss.bce_loss` or `recloss.softmax_loss`)."""
+        import recloss
+        return recloss.bce_loss if self.objective == "bce" else recloss.softmax_loss
 
 
 SHAPES: Dict[str, Shape] = {s.key: s for s in (
-    Shape("table2", "bce", 128, 128, 100_000, 128, 8, "float32", "the paper's Table II v5e point"),
-    Shape("paper", "bce", 8, 256, 876_939, 256, 8, "float32", "the paper's shape"),
-    Shape("paper", "bce", 8, 256, 876_939, 256, 8, "bfloat16", "the paper's shape"),
-    Shape("softmax", "softmax", 8, 256, 876_939, 256, 1, "float32", "softmax at the paper's shape, L = 1"),
-    Shape("softmax", "softmax", 8, 256, 876_939, 256, 1, "bfloat16", "softmax at the paper's shape, L = 1"),
-    Shape("llm-head", "softmax", 4, 2048, 151_936, 1024, 1, "bfloat16", "an LLM head (Qwen's V)"),
-    Shape("llm-head", "softmax", 4, 2048, 151_936, 1024, 1, "float32", "an LLM head (Qwen's V)"),
+    Shape("table2", "bce", 128, 128, 100_000, 128, 8, "float32"),  # the paper's Table II v5e point
+    Shape("paper", "bce", 8, 256, 876_939, 256, 8, "float32"),
+    Shape("paper", "bce", 8, 256, 876_939, 256, 8, "bfloat16"),
+    Shape("softmax", "softmax", 8, 256, 876_939, 256, 1, "float32"),
+    Shape("softmax", "softmax", 8, 256, 876_939, 256, 1, "bfloat16"),
+    Shape("llm-head", "softmax", 4, 2048, 151_936, 1024, 1, "bfloat16"),  # an LLM head (Qwen's V)
+    Shape("llm-head", "softmax", 4, 2048, 151_936, 1024, 1, "float32"),
 )}
 STRATEGIES = {"bce": ("dense_bce", "cutbce", "cutbce_pallas"), "softmax": ("dense_ce", "cutce", "cutce_pallas")}
 CHAIN = "xla chain"
@@ -100,13 +101,10 @@ def rows_for(shape: Shape, tokamax: Sequence[str] = ()) -> List[ChipRow]:
 
 def _loss(shape: Shape, row: ChipRow) -> Callable:
     """(hidden, table, targets) -> scalar loss of ``row`` (peers: their table layout)."""
-    import recloss
-
     if row.kind == "peer":
         from recloss.bench.rows import tokamax_loss
         return tokamax_loss(row.strategy.split(":", 1)[1])
-    entry = recloss.bce_loss if shape.objective == "bce" else recloss.softmax_loss
-    return lambda h, e, t: entry(h, e, t, strategy=row.strategy).loss
+    return lambda h, e, t: shape.entry(h, e, t, strategy=row.strategy).loss
 
 
 def _chain(h, e):
@@ -154,13 +152,10 @@ def reference(shape: Shape, h, e, t):
     import jax
     import jax.numpy as jnp
 
-    import recloss
-
     name = STRATEGIES[shape.objective][1]
-    entry = recloss.bce_loss if shape.objective == "bce" else recloss.softmax_loss
     f32 = jnp.float32
     with jax.default_matmul_precision("highest"):
-        fn = jax.jit(jax.value_and_grad(lambda h, e: entry(h, e, t, strategy=name).loss, argnums=(0, 1)))
+        fn = jax.jit(jax.value_and_grad(lambda h, e: shape.entry(h, e, t, strategy=name).loss, argnums=(0, 1)))
         loss, (dh, de) = fn(h.astype(f32), e.astype(f32))
     # Kept on the host: the chip's memory is the rows'.
     return float(loss), *(x.astype("float32") for x in jax.device_get((dh, de)))

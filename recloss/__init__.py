@@ -12,7 +12,8 @@ from recloss.options import LossOptions
 from recloss.sampled import log_q_from_counts
 from recloss.softcap import soft_cap
 from recloss.registry import available_strategies, get_strategy, register_strategy, unregister_strategy
-from recloss.sharding import FSDP_GATHERS, MeshLayout, Specs, check_fsdp_gather, padded_vocab_size, psum_in_place
+from recloss.sharding import (FSDP_GATHERS, MeshLayout, Specs, check_fsdp_gather, choose_fsdp_gather, padded_vocab_size,
+                              psum_in_place)
 from recloss.strategy import Strategy
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "available_strategies",
     "bce_loss",
     "check_fsdp_gather",
+    "choose_fsdp_gather",
     "get_strategy",
     "log_q_from_counts",
     "padded_vocab_size",

@@ -86,6 +86,63 @@ def check_fsdp_gather(gather, strategy=None, *, key: str = "MeshLayout.fsdp_gath
                          f"{takers}")
 
 
+@dataclasses.dataclass(frozen=True)
+class GatherChoice:
+    """What `choose_fsdp_gather` picked: ``mode`` (one of `FSDP_GATHERS`) and ``bytes``, the estimate
+    behind it per candidate mode (per chip; {} when the strategy or the mesh left no choice)."""
+    mode: str
+    bytes: Any
+    why: str
+
+    def describe(self) -> str:
+        """One line for a run log: the mode, and the estimate it was picked by."""
+        if not self.bytes:
+            return f"loss_fsdp_gather=auto: {self.mode!r} ({self.why})"
+        sizes = ", ".join(f"{m} {_size(b)}" for m, b in self.bytes.items())
+        return f"loss_fsdp_gather=auto: {self.mode!r} ({self.why}; per chip: {sizes})"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+def choose_fsdp_gather(strategy, layout: "MeshLayout", *, rows: int, vocab_size: int, features: int,
+                       itemsize: int) -> GatherChoice:
+    """The `MeshLayout.fsdp_gather` that holds the least on a chip, from the shapes (``auto``).
+
+    With F = |fsdp|, S = the rows of a chip's table slice (padded V / (|vocab|·F)), M = ``rows``
+    (positions per chip after the batch split), D = ``features`` and b = ``itemsize`` (the table's
+    bytes per number), the buffers a mode adds beyond what every mode holds (the chip's own slice
+    and its rows' dA) are estimated as
+
+        once  F·S·D·(b + 4)   the gathered vocab shard and its float32 gradient before the reduce-scatter
+        ring  2·S·D·(b + 4)   the slice computed on and the one arriving, with their float32 accumulators
+        rows  F·M·D·(b + 4)   the fsdp group's rows (hidden) and their float32 gradient
+
+    and the least is picked, ties in the order once, ring, rows (fewer collectives first). So 'ring'
+    beats 'once' when F > 2, and 'rows' beats 'ring' when the group's rows F·M are fewer than 2·S.
+    'once' when the strategy takes nothing else (`Strategy.fsdp_gathers`) or F = 1.
+    """
+    for name, value in (("rows", rows), ("vocab_size", vocab_size), ("features", features),
+                        ("itemsize", itemsize)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"choose_fsdp_gather: {name}={value!r}, expected an int >= 1")
+    f = layout.fsdp_shards
+    if f == 1:
+        return GatherChoice("once", {}, "no fsdp axis to gather over")
+    if tuple(strategy.fsdp_gathers) == ("once",):
+        return GatherChoice("once", {}, f"strategy {strategy.name!r} takes only 'once'")
+    s = padded_vocab_size(vocab_size, layout) // layout.table_shards
+    per = features * (itemsize + 4)
+    estimate = {"once": f * s * per, "ring": 2 * s * per, "rows": f * rows * per}
+    estimate = {m: b for m, b in estimate.items() if m in strategy.fsdp_gathers}
+    mode = min(estimate, key=lambda m: (estimate[m], FSDP_GATHERS.index(m)))
+    return GatherChoice(mode, estimate, f"fsdp {f}, {s:,} table rows a slice, {rows:,} positions a chip")
+
+
 def _axes_tuple(name, value) -> Tuple[str, ...]:
     """``value`` (None, an axis name or a sequence of names) as a tuple; ``name`` says what it is in
     the error (e.g. 'MeshLayout.batch_axes')."""

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 import recloss
 from helpers import count_vocab_loss_calls, strategies
 from recloss_plugins import maxtext as rm
+from recloss_plugins.maxtext import config as rm_config
 from recloss_plugins.maxtext import loss as rm_loss
 
 
@@ -96,9 +97,11 @@ def test_loss_settings_map_config_keys():
     (dict(loss="cutce", label_smoothing=0.1, logit_soft_cap=30.0),
      r"'cutce' .*label_smoothing=0.1 together with logit_soft_cap=30.0"),
     (dict(loss_vocab_axis="tensor"), r"need loss_batch_axes"),
-    (dict(loss_fsdp_gather="rings"), r"loss_fsdp_gather='rings': expected one of 'once', 'ring', 'rows'"),
-    (dict(loss_fsdp_gather="ring"), r"loss_fsdp_gather='ring' .*loss_fsdp_axis, which is not set"),
-    (dict(loss_fsdp_gather="rows"), r"loss_fsdp_gather='rows' gathers the tokens over loss_fsdp_axis, which is not set"),
+    (dict(loss_fsdp_gather="rings"), r"loss_fsdp_gather='rings': expected one of 'once', 'ring', 'rows', 'auto'"),
+    (dict(loss_fsdp_gather="ring", loss_batch_axes=["data"]),
+     r"loss_fsdp_gather='ring' .*loss_fsdp_axis, which is not set"),
+    (dict(loss_fsdp_gather="rows", loss_batch_axes=["data"]),
+     r"loss_fsdp_gather='rows' gathers the tokens over loss_fsdp_axis, which is not set"),
     (dict(loss="dense_ce", loss_fsdp_gather="ring", loss_batch_axes=["fsdp"], loss_fsdp_axis="fsdp"),
      r"loss_fsdp_gather='ring': strategy 'dense_ce' does not take it.*or use a blocked strategy: .*cutce_pallas"),
 ])
@@ -316,29 +319,107 @@ def test_sampled_vocab_loss_draws_its_negatives_from_the_decoder_rng_state(rng, 
         rm.loss_from_hidden(hidden, model.decoder.logits_dense.kernel[...].T, data, cfg)
 
 
+# MaxText 0.2.5's logical_axis_rules for what places the output head (a subset of its base.yml, in its order).
+MAXTEXT_RULES = [
+    ["activation_embed_and_logits_batch", ["data", "stage", "fsdp", "fsdp_transpose", "expert"]],
+    ["activation_norm_length", ["tensor_sequence", "context", "context_usp_ulysses"]],
+    ["vocab", ["tensor", "tensor_sequence", "autoregressive"]],
+    ["activation_batch", ["data", "fsdp", "fsdp_transpose", "expert"]],
+    ["embed", ["fsdp", "fsdp_transpose", "context", "context_usp_ulysses", "expert"]],
+    ["embed", ["fsdp", "context", "context_usp_ulysses", "expert"]],
+]
+MAXTEXT_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "context", "tensor", "tensor_sequence", "expert")
+
+
+def _stand_in_mesh(platform="tpu", **sizes):
+    """A mesh stand-in with MaxText's axis names: ``devices`` (of ``platform``) shaped by ``sizes`` (else 1)."""
+    shape = tuple(sizes.get(a, 1) for a in MAXTEXT_AXES)
+    devices = np.array([types.SimpleNamespace(platform=platform)] * math.prod(shape)).reshape(shape)
+    return types.SimpleNamespace(devices=devices, axis_names=MAXTEXT_AXES)
+
+
 @pytest.mark.tier1
-def test_pallas_loss_on_a_tpu_mesh_runs_the_kernel_and_asks_for_loss_batch_axes(rng):
+@pytest.mark.parametrize("sizes,want", [
+    (dict(fsdp=8), (("fsdp",), "fsdp", None)),                       # MaxText's default mesh
+    (dict(data=2, fsdp=4), (("data", "fsdp"), "fsdp", None)),
+    (dict(data=8), (("data",), None, None)),
+    (dict(data=2, fsdp=2, tensor=2), (("data", "fsdp"), "fsdp", "tensor")),
+    (dict(data=2, fsdp=2, stage=2), (("data", "stage", "fsdp"), "fsdp", None)),
+    (dict(fsdp=2, expert=2), r"cannot derive loss_fsdp_axis: MaxText's rule for 'embed' spreads it over "
+                             r"mesh axes \['fsdp', 'expert'\]"),
+    (dict(fsdp=4, context=2), r"the tokens' length is split over mesh axes \['context'\] \(sizes \[2\]\)"),
+    (dict(fsdp=2, fsdp_transpose=2), r"cannot derive loss_fsdp_axis: MaxText's rule for 'embed' spreads it over "
+                                     r"mesh axes \['fsdp', 'fsdp_transpose'\]"),
+    (dict(fsdp=2, tensor=2, tensor_sequence=2), r"the tokens' length is split over mesh axes \['tensor_sequence'\]"),
+])
+def test_mesh_axes_are_derived_from_maxtext_mesh_and_rules(sizes, want):
+    cfg = _config(logical_axis_rules=MAXTEXT_RULES)
+    mesh = _stand_in_mesh(**sizes)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want + r".*set loss_batch_axes .* yourself"):
+            rm.derive_mesh_axes(cfg, mesh)
+    else:
+        assert rm.derive_mesh_axes(cfg, mesh) == want
+    with pytest.raises(ValueError, match=r"cannot derive loss_batch_axes: MaxText's logical_axis_rules map neither"):
+        rm.derive_mesh_axes(_config(), mesh)
+
+
+@pytest.mark.tier1
+def test_pallas_loss_on_a_tpu_mesh_runs_the_kernel_and_derives_its_axes(rng, monkeypatch):
     # Compiling for a TPU topology on a CPU host (MaxText's train_compile): jax.default_backend() is
     # 'cpu', the mesh is TPU. The kernel must not fall back to interpret mode there, and XLA cannot
-    # partition a Mosaic call over a multi-device mesh: without loss_batch_axes, one line that says so.
-    tpu = lambda n: types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="tpu")] * n))
-    assert rm_loss.mesh_platform(tpu(8)) == "tpu" and rm_loss.mesh_platform(None) is None
-    assert rm_loss.mesh_platform(Mesh(np.array(jax.devices()[:1]), ("x",))) == "cpu"
+    # partition a Mosaic call over a multi-device mesh: the loss runs under shard_map on the axes read
+    # from MaxText's mesh and rules, or stops with one line that names the keys.
+    assert rm_config.mesh_platform(_stand_in_mesh(fsdp=8)) == "tpu" and rm_config.mesh_platform(None) is None
+    assert rm_config.mesh_platform(Mesh(np.array(jax.devices()[:1]), ("x",))) == "cpu"
     hidden = jnp.asarray(rng.standard_normal((2, 6, 8)), jnp.float32)
     table = jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)
     data = _batch(rng, v=40)
     for loss in ("cutce_pallas", "cutbce_pallas"):
-        with pytest.raises(ValueError, match=rf"loss='{loss}' runs a Mosaic kernel, .* 8-device mesh: set "
-                                             r"loss_batch_axes .* loss_batch_axes=\[data,fsdp\]"):
-            rm.loss_from_hidden(hidden, table, data, _config(loss=loss), mesh=tpu(8))
+        with pytest.raises(ValueError, match=r"cannot derive loss_batch_axes: .*set loss_batch_axes \(the mesh "
+                                             r"axes the tokens are split over\), loss_fsdp_axis and loss_vocab_axis"):
+            rm.loss_from_hidden(hidden, table, data, _config(loss=loss), mesh=_stand_in_mesh(fsdp=8))
     # interpret mode asked for, or a blocked strategy: XLA partitions those itself.
-    rm.loss_from_hidden(hidden, table, data, _config(loss="cutce_pallas", loss_interpret=True), mesh=tpu(8))
-    rm.loss_from_hidden(hidden, table, data, _config(loss="cutce"), mesh=tpu(8))
+    stand_in = _stand_in_mesh(fsdp=8)
+    rm.loss_from_hidden(hidden, table, data, _config(loss="cutce_pallas", loss_interpret=True), mesh=stand_in)
+    rm.loss_from_hidden(hidden, table, data, _config(loss="cutce"), mesh=stand_in)
+    with pytest.raises(ValueError, match=r"loss_fsdp_gather='ring' needs the loss under shard_map, and "
+                                         r"loss='cutce' runs without one here"):
+        rm.loss_from_hidden(hidden, table, data, _config(loss="cutce", loss_fsdp_gather="ring"), mesh=stand_in)
+
+    # The derived layout end to end: a real 8-device CPU mesh with MaxText's axis names, its platform
+    # read as 'tpu' so the plugin derives the axes (the kernel itself runs in interpret mode on CPU).
+    monkeypatch.setattr(rm_config, "mesh_platform", lambda mesh: None if mesh is None else "tpu")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4, 1, 1, 1, 1, 1), MAXTEXT_AXES)
+    lines = []
+    for loss in ("cutce_pallas", "cutbce_pallas"):
+        for b, t, gather in ((8, 4, "rows"), (16, 64, "ring")):     # fsdp 4: rows while 4·M < 2·S (S = 512 padded rows / 4)
+            hidden = jnp.asarray(rng.standard_normal((b, t, 8)), jnp.float32)
+            table = jnp.asarray(rng.standard_normal((256, 8)), jnp.float32)
+            data = _batch(rng, b=b, t=t, v=256)
+            cfg = _config(loss=loss, logical_axis_rules=MAXTEXT_RULES)
+            lines.clear()
+            layout = rm.layout_for(cfg, mesh, hidden, table, log=lines.append)
+            assert (layout.batch_axes, layout.fsdp_axis, layout.vocab_axis, layout.fsdp_gather) == \
+                (("data", "fsdp"), "fsdp", None, gather), lines
+            assert f"loss={loss!r} runs a Mosaic kernel under shard_map on MaxText's 8-device mesh: " \
+                   "loss_batch_axes=['data', 'fsdp'], loss_fsdp_axis=fsdp" in lines[0]
+            assert lines[1].startswith(f"recloss: loss_fsdp_gather=auto: {gather!r} (fsdp 4, 128 table rows a slice, "
+                                       f"{b * t // 8} positions a chip; per chip: once ")
+            got = jax.jit(lambda h: rm.loss_from_hidden(h, table, data, cfg, mesh=mesh)[0])(hidden)
+            want = rm.loss_from_hidden(hidden, table, data, _config(loss=loss.replace("_pallas", "")))[0]
+            np.testing.assert_allclose(got, want, rtol=2e-5)
+    # The user's own keys win over the derivation and over 'auto'.
+    explicit = _config(loss="cutce_pallas", logical_axis_rules=MAXTEXT_RULES, loss_batch_axes=["data", "fsdp"],
+                       loss_fsdp_axis="fsdp", loss_fsdp_gather="once")
+    assert rm.layout_for(explicit, mesh, log=lines.append).fsdp_gather == "once"
+
 
 @pytest.mark.tier1
 def test_loss_from_hidden_with_mesh_layout(rng):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
-    cfg = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor")
+    cfg = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor",
+                  loss_fsdp_gather="once")
     layout = rm.layout_for(cfg, mesh)
     assert (layout.batch_axes, layout.fsdp_axis, layout.vocab_axis) == (("data", "fsdp"), "fsdp", "tensor")
     assert rm.layout_for(_config(), mesh) is None and rm.layout_for(_config(), None) is None
@@ -346,6 +427,8 @@ def test_loss_from_hidden_with_mesh_layout(rng):
         rm.layout_for(cfg, None)
     with pytest.raises(ValueError, match="need loss_batch_axes"):
         rm.layout_for(_config(loss_fsdp_axis="fsdp"), mesh)
+    with pytest.raises(ValueError, match=r"loss_fsdp_gather='auto' picks the mode from the shapes: pass hidden"):
+        rm.layout_for(_config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp"), mesh)
     ring = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor",
                    loss_fsdp_gather="ring")
     assert rm.layout_for(ring, mesh).fsdp_gather == "ring" and layout.fsdp_gather == "once"

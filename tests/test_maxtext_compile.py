@@ -78,8 +78,14 @@ def test_compiles_maxtext_with_and_without_the_recloss_loss(base_yml):
 
 
 @pytest.mark.tier2
-def test_a_pallas_loss_without_loss_batch_axes_says_what_to_set(base_yml):
+def test_a_pallas_loss_alone_reads_its_axes_from_maxtext_mesh(base_yml):
+    """``loss=cutce_pallas`` with no mesh keys: the shard_map's axes come from MaxText's mesh and rules
+    (v6e-8's default mesh is fsdp 8) and 'auto' picks the gather, both printed; the step compiles."""
     run = _process(base_yml, *TINY, "loss=cutce_pallas", "num_vocab_tiling=2")
-    assert run.returncode != 0
-    assert ("loss='cutce_pallas' runs a Mosaic kernel, which XLA cannot partition over MaxText's 8-device mesh: "
-            "set loss_batch_axes") in run.stdout + run.stderr, run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = run.stdout + run.stderr
+    assert ("recloss: loss='cutce_pallas' runs a Mosaic kernel under shard_map on MaxText's 8-device mesh: "
+            "loss_batch_axes=['fsdp'], loss_fsdp_axis=fsdp, loss_vocab_axis=None") in out, out[-3000:]
+    # fsdp 8, 128 rows of the 1,024-row table a slice, 128 tokens a chip: 8·128 > 2·128, so the ring.
+    assert "recloss: loss_fsdp_gather=auto: 'ring' (fsdp 8, 128 table rows a slice, 128 positions a chip" in out
+    assert "interpret mode" not in run.stderr

@@ -138,3 +138,27 @@ def test_aot_compile_for_v6e_cutbce_uses_less_hbm_than_dense():
         assert any("per-chip HBM" in l for l in logs)
         assert res[loss]["memory"]["argument"] > 0
     assert res["cutbce"]["total_gib"] < res["dense_bce"]["total_gib"] - 0.25
+
+
+@pytest.mark.tier1
+def test_loss_fsdp_gather_auto_picks_by_the_shapes_and_an_explicit_mode_stays():
+    """``loss_fsdp_gather=auto``: the trainer's loss layout takes `recloss.choose_fsdp_gather`'s pick for
+    its batch and table (rows for a large catalogue, the ring for a small one on fsdp 8), logged as
+    `Program.gather`; a mode set by name is used as set."""
+    import recloss
+    from recloss_plugins.sasrec import program as program_lib
+    picked = {}
+    for vocab in (100, 100_000):
+        cfg = _cfg("loss=cutbce", "ici_data_parallelism=1", "ici_fsdp_parallelism=8", "loss_fsdp_gather=auto")
+        mesh = parallel.build_mesh(cfg, jax.devices()[:8])
+        program = program_lib.build_program(cfg, mesh, vocab, batch_size=16)
+        want = recloss.choose_fsdp_gather(program.strategy, parallel.layout_for(mesh), rows=16 * cfg.max_seq_len // 8,
+                                          vocab_size=vocab, features=cfg.emb_dim, itemsize=4)
+        assert program.layout.fsdp_gather == want.mode == program.gather.mode
+        assert program.gather.describe() == want.describe()
+        picked[vocab] = want.mode
+        explicit = program_lib.build_program(load_config([str(default_config_path()), "loss=cutbce",
+                                                          "ici_data_parallelism=1", "ici_fsdp_parallelism=8",
+                                                          "loss_fsdp_gather=once"]), mesh, vocab, batch_size=16)
+        assert explicit.layout.fsdp_gather == "once" and explicit.gather is None
+    assert picked == {100: "ring", 100_000: "rows"}

@@ -10,7 +10,7 @@ plugin (`build_loss_options`); `check_strategy_options` rejects, naming the key,
 an option the chosen strategy's objective does not take (``loss=cutce pos_weight=2``).
 """
 
-from recloss_plugins.config.keys import SCHEMA, Key, loss_options
+from recloss_plugins.config.keys import FSDP_GATHER_VALUES, SCHEMA, Key, loss_options
 from recloss_plugins.config.loss_keys import (
     LOSS_OPTION_KEYS,
     OPTION_PREFIX,
@@ -31,6 +31,7 @@ from recloss_plugins.config.pyconfig import (
 )
 
 __all__ = [
+    "FSDP_GATHER_VALUES",
     "LOSS_OPTION_KEYS",
     "OPTION_PREFIX",
     "SCHEMA",

@@ -17,6 +17,9 @@ from recloss_plugins.config.loss_keys import LOSS_OPTION_KEYS, RENAMED, build_lo
 
 # Mesh axis names the trainer understands (MaxText's names); `mesh_axes` orders them.
 MESH_AXES = ("data", "fsdp", "vocab")
+#: ``loss_fsdp_gather``'s values: a `recloss.FSDP_GATHERS` mode, or 'auto' (`recloss.choose_fsdp_gather` picks one
+#: from the shapes when the program is built).
+FSDP_GATHER_VALUES = recloss.FSDP_GATHERS + ("auto",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +114,7 @@ SCHEMA = {
     "loss": Key(str),
     **_loss_keys(),
     "sampled_proposal": Key(str, choices=("auto", "counts", "uniform")),
-    "loss_fsdp_gather": Key(str, choices=recloss.FSDP_GATHERS),
+    "loss_fsdp_gather": Key(str, choices=FSDP_GATHER_VALUES),
     # mesh
     "mesh_axes": Key(list, lambda v: sorted(v) == sorted(MESH_AXES),
                      f"a list holding each of {list(MESH_AXES)} once, in mesh order"),

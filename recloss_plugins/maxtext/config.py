@@ -37,13 +37,16 @@ Keys (the names of recloss's own trainer config, so one YAML vocabulary serves b
     logit_soft_cap        c > 0: every logit x becomes c·tanh(x/c), or null (MaxText's final_logits_soft_cap
                           sets it too, where MaxText applies it: with logits_via_embedding)
     loss_pad_id           target id that marks padding (-1: MaxText masks with targets_segmentation)
-    loss_batch_axes       mesh axes the tokens are split over for a shard_map'ed loss; [] = no shard_map
+    loss_batch_axes       mesh axes the tokens are split over for a shard_map'ed loss; [] = none, or, for
+                          a Mosaic kernel on a multi-device TPU mesh, derived from MaxText's mesh and
+                          logical axis rules (`derive_mesh_axes`), with loss_fsdp_axis and loss_vocab_axis
     loss_fsdp_axis        mesh axis the table is additionally stored over (with loss_batch_axes), or null
     loss_vocab_axis       mesh axis the vocabulary is split over (with loss_batch_axes), or null
-    loss_fsdp_gather      with loss_fsdp_axis: 'once' (all-gather the table once per step), 'ring'
-                          (slices passed round the fsdp axis, ~1/|fsdp| of the table's memory) or
+    loss_fsdp_gather      with an fsdp axis: 'once' (all-gather the table once per step), 'ring'
+                          (slices passed round the fsdp axis, ~1/|fsdp| of the table's memory),
                           'rows' (slices stay home, the fsdp group's tokens are all-gathered instead;
-                          ring and rows: blocked strategies only)
+                          ring and rows: blocked strategies only) or 'auto' (default: the one that holds
+                          least by `recloss.choose_fsdp_gather`'s estimate, printed when the step is traced)
 
 An option of the other objective must stay at its default (``loss=cutce
 pos_weight=2`` is an error naming ``pos_weight``). MaxText's own
@@ -70,8 +73,10 @@ import functools
 import math
 from typing import Any, Optional, Tuple
 
+import jax.numpy as jnp
+
 import recloss
-from recloss_plugins.config import LOSS_OPTION_KEYS
+from recloss_plugins.config import FSDP_GATHER_VALUES, LOSS_OPTION_KEYS
 from recloss_plugins.config.loss_keys import config_specs
 from recloss_plugins.flax import resolve_config
 
@@ -124,10 +129,11 @@ FIELDS = {
                           "additionally stored over (must be one of loss_batch_axes), or None."),
     "loss_vocab_axis": Key("Optional[str]", None, "With loss_batch_axes: mesh axis the vocabulary is "
                            "split over, or None."),
-    "loss_fsdp_gather": Key("str", "once", "With loss_fsdp_axis: 'once' all-gathers the item table "
+    "loss_fsdp_gather": Key(FSDP_GATHER_VALUES, "auto", "With an fsdp axis: 'once' all-gathers the item table "
                             "over it once per step; 'ring' passes the slices round it instead (about 1/|fsdp| of the "
                             "table's memory); 'rows' leaves the slices home and all-gathers the fsdp group's "
-                            "tokens instead (ring and rows: blocked strategies only)."),
+                            "tokens instead (ring and rows: blocked strategies only); 'auto' picks the one that "
+                            "holds least by recloss.choose_fsdp_gather's estimate from the shapes, and prints it."),
 }
 
 # Config key -> recloss.LossOptions field: the FIELDS keys the shared mapping knows (the rest
@@ -196,37 +202,140 @@ def maxtext_soft_cap(config) -> Optional[float]:
     return float(cap) if getattr(config, "logits_via_embedding", False) else None
 
 
+def _check_gather(gather, strategy=None):
+    """``loss_fsdp_gather``: one of `FSDP_GATHER_VALUES`, and (but 'auto') a mode ``strategy`` takes."""
+    if gather == "auto":
+        return
+    if gather not in FSDP_GATHER_VALUES:
+        raise ValueError(f"loss_fsdp_gather={gather!r}: expected one of {', '.join(map(repr, FSDP_GATHER_VALUES))}")
+    recloss.check_fsdp_gather(gather, strategy, key="loss_fsdp_gather")
+
+
 def _mesh_axes(config) -> Tuple[Tuple[str, ...], Optional[str], Optional[str], str]:
-    """(loss_batch_axes, loss_fsdp_axis, loss_vocab_axis, loss_fsdp_gather); the axes need the first,
-    ``'ring'`` and ``'rows'`` need an fsdp axis."""
+    """(loss_batch_axes, loss_fsdp_axis, loss_vocab_axis, loss_fsdp_gather) as set; the axes need the
+    first, ``'ring'`` and ``'rows'`` an fsdp axis (set, or derived when the batch axes are)."""
     batch_axes = tuple(_get(config, "loss_batch_axes") or ())
     fsdp, vocab = _get(config, "loss_fsdp_axis"), _get(config, "loss_vocab_axis")
     gather = _get(config, "loss_fsdp_gather")
     if not batch_axes and (fsdp is not None or vocab is not None):
         raise ValueError(f"loss_fsdp_axis={fsdp!r} / loss_vocab_axis={vocab!r} need loss_batch_axes "
                          "(the mesh axes the tokens are split over) to be set")
-    recloss.check_fsdp_gather(gather, key="loss_fsdp_gather")
-    if gather != "once" and fsdp is None:
+    _check_gather(gather)
+    if gather in ("ring", "rows") and fsdp is None and batch_axes:
         what = {"ring": "passes the table slices round", "rows": "gathers the tokens over"}[gather]
         raise ValueError(f"loss_fsdp_gather={gather!r} {what} loss_fsdp_axis, which is not "
-                         "set; set loss_batch_axes and loss_fsdp_axis, or loss_fsdp_gather=once")
+                         "set; set loss_fsdp_axis, or loss_fsdp_gather=auto or once")
     return batch_axes, fsdp, vocab, gather
 
 
-def layout_for(config, mesh) -> Optional[recloss.MeshLayout]:
-    """The `recloss.MeshLayout` the config asks for on ``mesh``, or None (``loss_batch_axes`` empty).
+# MaxText's logical axes that place the output head's work: the tokens' batch and length dims at the
+# head (the first name a config's rules know is read), the table's rows ('vocab') and its D ('embed').
+_BATCH_NAMES = ("activation_embed_and_logits_batch", "activation_batch")
+_LENGTH_NAMES = ("activation_norm_length", "activation_length")
 
-    ``mesh`` may be None when ``loss_batch_axes`` is empty. Raises ValueError
-    when ``loss_fsdp_axis`` / ``loss_vocab_axis`` are set without
-    ``loss_batch_axes``, or ``loss_batch_axes`` is set and ``mesh`` is None.
+
+def _rule_axes(rules, names) -> Optional[Tuple[str, ...]]:
+    """The mesh axes of the first rule in ``rules`` ([logical name, axes] pairs) for the first of
+    ``names`` any rule has, or None."""
+    for name in names:
+        for rule in rules or ():
+            if len(rule) == 2 and rule[0] == name:
+                axes = rule[1]
+                return (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return None
+
+
+def derive_mesh_axes(config, mesh) -> Tuple[Tuple[str, ...], Optional[str], Optional[str]]:
+    """(loss_batch_axes, loss_fsdp_axis, loss_vocab_axis) read from MaxText's ``mesh`` and its
+    ``config.logical_axis_rules``, for a loss that must run under shard_map.
+
+    Only axes of size > 1 count. The batch axes are those the rule for the head's token batch
+    (``activation_embed_and_logits_batch``) maps to, in its order; the fsdp axis is the one of them
+    the rule for ``embed`` maps to (MaxText stores the table's D over it), or None; the vocab axis is
+    the one the rule for ``vocab`` maps to (the table's rows), or None. Raises ValueError naming the
+    axes when the rules cannot be read that way: no batch rule, the tokens' length split too
+    (context or sequence parallelism), or two axes in one role.
+    """
+    names = tuple(mesh.axis_names)
+    size = dict(zip(names, mesh.devices.shape))
+    live = lambda axes: tuple(a for a in axes or () if size.get(a, 1) > 1)
+    rules = getattr(config, "logical_axis_rules", None)
+    fix = ("; set loss_batch_axes (the mesh axes the tokens are split over), loss_fsdp_axis and "
+           "loss_vocab_axis yourself")
+    batch = _rule_axes(rules, _BATCH_NAMES)
+    if batch is None:
+        raise ValueError(f"cannot derive loss_batch_axes: MaxText's logical_axis_rules map neither of "
+                         f"{list(_BATCH_NAMES)} to mesh axes{fix}")
+    batch = live(batch)
+    length = tuple(a for a in live(_rule_axes(rules, _LENGTH_NAMES)) if a not in batch)
+    if length:
+        raise ValueError(f"cannot derive loss_batch_axes: the tokens' length is split over mesh axes "
+                         f"{list(length)} (sizes {[size[a] for a in length]}), which the recloss loss's "
+                         f"shard_map does not split{fix}")
+    roles = {}
+    for role, rule in (("loss_fsdp_axis", "embed"), ("loss_vocab_axis", "vocab")):
+        axes = live(_rule_axes(rules, (rule,)))
+        axes = tuple(a for a in axes if (a in batch) == (role == "loss_fsdp_axis"))
+        if len(axes) > 1:
+            raise ValueError(f"cannot derive {role}: MaxText's rule for {rule!r} spreads it over mesh axes "
+                             f"{list(axes)} (sizes {[size[a] for a in axes]}), and recloss takes one{fix}")
+        roles[role] = axes[0] if axes else None
+    return batch, roles["loss_fsdp_axis"], roles["loss_vocab_axis"]
+
+
+def layout_for(config, mesh, hidden=None, table=None, *, log=print) -> Optional[recloss.MeshLayout]:
+    """The `recloss.MeshLayout` the config asks for on ``mesh``, or None (no shard_map).
+
+    The axes are the config's; with ``loss_batch_axes`` empty they are `derive_mesh_axes`' when the
+    strategy is a Mosaic kernel on a multi-device TPU mesh (XLA cannot partition it), else there is
+    no layout. ``loss_fsdp_gather=auto`` is resolved by `recloss.choose_fsdp_gather` from ``hidden``
+    [..., D] and ``table`` [V, D] (arrays or shape structs), and what it picked goes to ``log``, as do
+    derived axes. Raises ValueError when ``loss_fsdp_axis`` / ``loss_vocab_axis`` are set without
+    ``loss_batch_axes``, a layout is needed and ``mesh`` is None, or 'auto' has no shapes to go by.
     """
     batch_axes, fsdp, vocab, gather = _mesh_axes(config)
+    name, options = loss_settings(config)
+    strategy = recloss.get_strategy(name, options)
+    platform = mesh_platform(mesh)
     if not batch_axes:
-        return None
+        if platform is None or mesh.devices.size == 1 or strategy.xla_partitions(platform):
+            if gather in ("ring", "rows"):
+                raise ValueError(f"loss_fsdp_gather={gather!r} needs the loss under shard_map, and loss={name!r} "
+                                 "runs without one here (XLA partitions it): set loss_batch_axes and "
+                                 "loss_fsdp_axis, or loss_fsdp_gather=auto or once")
+            return None
+        batch_axes, fsdp, vocab = derive_mesh_axes(config, mesh)
+        log(f"recloss: loss={name!r} runs a Mosaic kernel under shard_map on MaxText's "
+            f"{mesh.devices.size}-device mesh: loss_batch_axes={list(batch_axes)}, loss_fsdp_axis={fsdp}, "
+            f"loss_vocab_axis={vocab} (derived from the mesh and logical_axis_rules)")
+        if gather in ("ring", "rows") and fsdp is None:
+            raise ValueError(f"loss_fsdp_gather={gather!r} needs an fsdp axis, and MaxText's mesh stores the "
+                             "table over none of the batch axes; set loss_fsdp_gather=auto or once")
     if mesh is None:
         raise ValueError(f"loss_batch_axes={list(batch_axes)} is set but no mesh was given to build the "
                          "recloss.MeshLayout")
-    return recloss.MeshLayout(mesh, batch_axes=batch_axes, fsdp_axis=fsdp, vocab_axis=vocab, fsdp_gather=gather)
+    layout = recloss.MeshLayout(mesh, batch_axes=batch_axes, fsdp_axis=fsdp, vocab_axis=vocab,
+                                fsdp_gather="once" if gather == "auto" else gather)
+    if gather == "auto":
+        if hidden is None or table is None:
+            raise ValueError("loss_fsdp_gather='auto' picks the mode from the shapes: pass hidden and table "
+                             "to layout_for, or set loss_fsdp_gather to once, ring or rows")
+        rows = math.prod(hidden.shape[:-1])
+        choice = recloss.choose_fsdp_gather(strategy, layout, rows=max(1, rows // layout.batch_shards),
+                                            vocab_size=int(table.shape[0]), features=int(table.shape[-1]),
+                                            itemsize=jnp.dtype(table.dtype).itemsize)
+        if layout.fsdp_shards > 1:
+            log(f"recloss: {choice.describe()}")
+        layout = dataclasses.replace(layout, fsdp_gather=choice.mode)
+    return layout
+
+
+def mesh_platform(mesh) -> Optional[str]:
+    """The platform of ``mesh``'s devices ('tpu' for a TPU topology compiled ahead of time), or None."""
+    devices = getattr(mesh, "devices", None)
+    if devices is None or getattr(devices, "size", 0) == 0:
+        return None
+    return getattr(devices.flat[0], "platform", None)
 
 
 def check_supported(config):
@@ -259,7 +368,7 @@ def check_supported(config):
     if strategy.objective == "sampled" and isinstance(vocab, int) and options.num_negatives > vocab:
         raise ValueError(f"num_negatives={options.num_negatives}: strategy {name!r} draws at most vocab_size={vocab} "
                          "negatives per step; lower num_negatives")
-    recloss.check_fsdp_gather(_mesh_axes(config)[3], strategy, key="loss_fsdp_gather")
+    _check_gather(_mesh_axes(config)[3], strategy)
 
 
 def _annotation(kind):

@@ -129,36 +129,24 @@ def _targets_and_weights(data):
     return targets, weights
 
 
-def mesh_platform(mesh) -> Optional[str]:
-    """The platform of ``mesh``'s devices ('tpu' for a TPU topology compiled ahead of time), or None."""
-    devices = getattr(mesh, "devices", None)
-    if devices is None or getattr(devices, "size", 0) == 0:
-        return None
-    return getattr(devices.flat[0], "platform", None)
-
-
 def loss_from_hidden(hidden, table, data, config, *, mesh=None, key=None):
     """(Σ w·ℓ, metrics) of the configured recloss strategy (BCE, softmax or sampled, through the strategy object).
 
     hidden [B, T, D] (already normed and scaled), table [V, D];
     ``data['targets']`` [B, T] or [B, T, L], ``data['targets_segmentation']``
-    [B, T] (0 = padding token, weight 0). ``mesh`` is needed only when the
-    config sets ``loss_batch_axes``; ``key`` (a `jax.random` key) only for a
+    [B, T] (0 = padding token, weight 0). ``mesh`` is MaxText's: the loss runs
+    under shard_map on it when the config sets ``loss_batch_axes``, or, for a
+    Mosaic kernel on a multi-device TPU mesh, on the axes `config.derive_mesh_axes`
+    reads from it; ``key`` (a `jax.random` key) only for a
     sampled strategy, whose K negatives it draws (uniform over the vocabulary). A Pallas strategy runs its
     TPU kernel (not interpret mode) under MaxText's ``jax.set_mesh`` of a TPU mesh unless ``loss_interpret``
     is set, also when the host compiling it is a CPU (MaxText's train_compile): the strategy reads the
     platform from the ambient mesh.
     """
     name, options = config_lib.loss_settings(config)
-    layout = config_lib.layout_for(config, mesh)
     targets, weights = _targets_and_weights(data)
     strategy = recloss.get_strategy(name, options)
-    platform = mesh_platform(mesh)
-    if layout is None and platform is not None and mesh.devices.size > 1 and not strategy.xla_partitions(platform):
-        raise ValueError(f"loss={name!r} runs a Mosaic kernel, which XLA cannot partition over MaxText's "
-                         f"{mesh.devices.size}-device mesh: set loss_batch_axes (the mesh axes the tokens are "
-                         "split over) so it runs under shard_map, e.g. loss_batch_axes=[data,fsdp] "
-                         "loss_fsdp_axis=fsdp")
+    layout = config_lib.layout_for(config, mesh, hidden, table)
     extra = {}
     if strategy.objective == "sampled":
         if key is None:

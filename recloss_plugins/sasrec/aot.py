@@ -134,6 +134,8 @@ def compile_report(cfg, log=print) -> Dict[str, object]:
         f"{dict(program.mesh.shape)}, V={vocab} ({program.rows} rows), D={cfg.emb_dim}, N={cfg.max_seq_len}, "
         f"global batch {program.batch_size} ({program.batch_size // program.layout.batch_shards} per batch shard)")
     log(parallel.describe_model_split(program.layout, program.model_batch_axes, program.batch_size))
+    if program.gather is not None:
+        log(program.gather.describe())
     log(f"per-chip HBM: {aot.format_memory(rep)}")
     log(aot.report(top, top=5))
     out = {"total_gib": gib, "memory": rep, "global_batch_size": program.batch_size, "buffers": top}

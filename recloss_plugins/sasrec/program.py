@@ -175,6 +175,7 @@ class Program:
     prng_impl: str = PRNG_IMPL  # the implementation of every key (recorded in checkpoints)
     manual: Optional[recloss.MeshLayout] = None   # the loss's layout when the step is data parallel by hand
     model_batch_axes: Tuple[str, ...] = ()        # what the batch arrays are split over (`parallel.model_batch_axes`)
+    gather: Optional[Any] = None                  # loss_fsdp_gather=auto: the `recloss.choose_fsdp_gather` pick
     _compiled: Any = dataclasses.field(default=None, repr=False)
 
     def compiled_train_step(self):
@@ -237,7 +238,8 @@ def _hashable(v):
 def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=None) -> Program:
     """Everything jitted for ``cfg`` on ``mesh`` with a ``vocab_size``-id vocabulary
     (``item_counts``: the training split's item counts, for a sampled loss's proposal)."""
-    layout = parallel.layout_for(mesh, cfg.loss_fsdp_gather)
+    auto = cfg.loss_fsdp_gather == "auto"
+    layout = parallel.layout_for(mesh, "once" if auto else cfg.loss_fsdp_gather)
     platform = layout.platform
     rows = recloss.padded_vocab_size(vocab_size, layout)
     strategy = recloss.get_strategy(cfg.loss, loss_options(cfg, vocab_size=vocab_size))
@@ -245,8 +247,14 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
         strategy.check_platform(platform)
     except ValueError as err:
         raise ValueError(f"config key 'loss': {err}") from None
-    specs = strategy.partition_specs(layout)
     b = batch_size or global_batch_size(cfg, layout, mesh.devices.size)
+    gather = None
+    if auto:
+        gather = recloss.choose_fsdp_gather(strategy, layout, rows=b * cfg.max_seq_len // layout.batch_shards,
+                                            vocab_size=vocab_size, features=cfg.emb_dim,
+                                            itemsize=jnp.dtype(compute_dtype(cfg.dtype)).itemsize)
+        layout = dataclasses.replace(layout, fsdp_gather=gather.mode)
+    specs = strategy.partition_specs(layout)
     tx, schedule = make_optimizer(cfg)
     cdtype = compute_dtype(cfg.dtype)
     seed = cfg.seed
@@ -343,7 +351,7 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
     return Program(
         cfg=cfg, mesh=mesh, layout=layout, strategy=strategy, vocab_size=vocab_size, rows=rows, batch_size=b,
         graphdef=graphdef, tx=tx, schedule=schedule, abstract_state=abstract_state, state_shardings=state_sh,
-        manual=manual, model_batch_axes=model_axes,
+        manual=manual, model_batch_axes=model_axes, gather=gather,
         batch_shardings=batch_sh,
         init=_pinned(jax.jit(init, out_shardings=state_sh)),
         train_step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),

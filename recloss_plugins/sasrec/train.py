@@ -159,6 +159,8 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
         say(f"train step: data parallel under shard_map over {program.manual.batch_axes}, "
             f"gradients summed in place (recloss.psum_in_place)")
     say(parallel.describe_model_split(program.layout, program.model_batch_axes, B))
+    if program.gather is not None:
+        say(program.gather.describe())
 
     writer = MetricsWriter(run_dir, cfg.enable_tensorboard, active=is_main, log=say)
     ckpt = Checkpoints(run_dir / "checkpoints", cfg.max_checkpoints_to_keep) if cfg.enable_checkpointing else None

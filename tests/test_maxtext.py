@@ -25,7 +25,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 import recloss
 from helpers import count_vocab_loss_calls, strategies
@@ -327,6 +327,7 @@ MAXTEXT_RULES = [
     ["activation_batch", ["data", "fsdp", "fsdp_transpose", "expert"]],
     ["embed", ["fsdp", "fsdp_transpose", "context", "context_usp_ulysses", "expert"]],
     ["embed", ["fsdp", "context", "context_usp_ulysses", "expert"]],
+    ["embed_vocab", ["fsdp", "fsdp_transpose", "context", "context_usp_ulysses", "expert"]],
 ]
 MAXTEXT_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "context", "tensor", "tensor_sequence", "expert")
 
@@ -345,10 +346,10 @@ def _stand_in_mesh(platform="tpu", **sizes):
     (dict(data=8), (("data",), None, None)),
     (dict(data=2, fsdp=2, tensor=2), (("data", "fsdp"), "fsdp", "tensor")),
     (dict(data=2, fsdp=2, stage=2), (("data", "stage", "fsdp"), "fsdp", None)),
-    (dict(fsdp=2, expert=2), r"cannot derive loss_fsdp_axis: MaxText's rule for 'embed' spreads it over "
+    (dict(fsdp=2, expert=2), r"cannot derive loss_fsdp_axis: MaxText's rule for 'embed_vocab' spreads it over "
                              r"mesh axes \['fsdp', 'expert'\]"),
     (dict(fsdp=4, context=2), r"the tokens' length is split over mesh axes \['context'\] \(sizes \[2\]\)"),
-    (dict(fsdp=2, fsdp_transpose=2), r"cannot derive loss_fsdp_axis: MaxText's rule for 'embed' spreads it over "
+    (dict(fsdp=2, fsdp_transpose=2), r"cannot derive loss_fsdp_axis: MaxText's rule for 'embed_vocab' spreads it over "
                                      r"mesh axes \['fsdp', 'fsdp_transpose'\]"),
     (dict(fsdp=2, tensor=2, tensor_sequence=2), r"the tokens' length is split over mesh axes \['tensor_sequence'\]"),
 ])
@@ -413,6 +414,31 @@ def test_pallas_loss_on_a_tpu_mesh_runs_the_kernel_and_derives_its_axes(rng, mon
     explicit = _config(loss="cutce_pallas", logical_axis_rules=MAXTEXT_RULES, loss_batch_axes=["data", "fsdp"],
                        loss_fsdp_axis="fsdp", loss_fsdp_gather="once")
     assert rm.layout_for(explicit, mesh, log=lines.append).fsdp_gather == "once"
+
+
+@pytest.mark.tier1
+def test_the_table_gradient_leaves_the_loss_in_maxtext_layout_and_dtype(rng):
+    """MaxText stores the [V, D] table with D over fsdp (rule 'embed_vocab') and V over tensor ('vocab');
+    under shard_map the loss's gradient of it is row-sharded. `grad_in_layout` lays the gradient out as
+    MaxText's table in the table's dtype (the constraint sits on the bfloat16 cotangent, before the cast
+    to the float32 parameter) and changes no value."""
+    cfg = _config(logical_axis_rules=MAXTEXT_RULES)
+    assert rm_config.table_spec(cfg, _stand_in_mesh(fsdp=8)) == P(None, "fsdp")
+    assert rm_config.table_spec(cfg, _stand_in_mesh(data=2, fsdp=2, tensor=2)) == P("tensor", "fsdp")
+    assert rm_config.table_spec(cfg, _stand_in_mesh(data=8)) is None and rm_config.table_spec(_config(), _stand_in_mesh(fsdp=8)) is None
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4, 1, 1, 1, 1, 1), MAXTEXT_AXES)
+    sharding = jax.sharding.NamedSharding(mesh, rm_config.table_spec(cfg, mesh))
+    param = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((64, 16)), jnp.bfloat16)
+    # The cotangent of the bfloat16 table is ``weights`` exactly, so the parameter's gradient is known.
+    f = lambda p, wrap: jnp.sum((wrap(p.astype(jnp.bfloat16)) * weights).astype(jnp.float32))
+    plain = weights.astype(jnp.float32)
+    np.testing.assert_array_equal(jax.jit(jax.grad(lambda p: f(p, lambda t: t)))(param), plain)
+    lowered = jax.jit(jax.grad(lambda p: f(p, lambda t: rm_loss.grad_in_layout(t, sharding)))).lower(param)
+    np.testing.assert_array_equal(lowered.compile()(param), plain)
+    text = lowered.as_text()
+    constraint = [l for l in text.splitlines() if "sharding_constraint" in l or "mhlo.sharding" in l and "custom_call" in l]
+    assert any("bf16" in l for l in constraint), constraint
 
 
 @pytest.mark.tier1

@@ -14,6 +14,9 @@ def test_parse_output_ok_oom_and_error():
     ok = mt.parse_output("I1204 noise\nrecloss-maxtext-compile: per-chip HBM 5.214 GiB (temporaries 2.118 GiB), "
                          "compiled in 41.3 s; loss=cutce_pallas\n", 0)
     assert ok == {"status": "ok", "total_gib": 5.214, "temp_gib": 2.118, "seconds": 41.3}
+    auto = mt.parse_output("recloss: loss_fsdp_gather=auto: 'rows' (fsdp 4, ...)\nrecloss-maxtext-compile: per-chip "
+                           "HBM 5.214 GiB (temporaries 2.118 GiB), compiled in 41.3 s; loss=cutce_pallas\n", 0)
+    assert auto == dict(ok, gather="rows")
     new = ("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, "
            "the total memory required for HLO temporaries (34.96G) exceeds available HBM (31.24G).")
     assert mt.parse_output(new, 1) == {"status": "oom", "used_gib": 34.96, "capacity_gib": 31.24}
@@ -34,8 +37,12 @@ def test_points_and_table():
              mt.cell_key("m", "v6e-8", (4, 2048), 2, "tiling8-ag"): ok(8.0),
              mt.cell_key("m", "v6e-8", (4, 2048), 2, "cutce_pallas"): ok(6.0)}
     text = mt.format_table({"cells": cells, "layers": 2})
-    assert "OOM (40.0 GiB temp.)" in text and "0.75 (vs tiling8-ag)" in text and "| m | v6e-8 | 4 × 2048 | 2 |" in text
+    assert "OOM (40.0 GiB temp.)" in text and "0.75 (cutce_pallas vs tiling8-ag)" in text and "| m | v6e-8 | 4 × 2048 | 2 |" in text
     assert mt.best_tiling({k.rpartition("|")[2]: v for k, v in cells.items()}) == ("tiling8-ag", 8.0)
+    # The plugin's defaults, where recorded, are the column the ratio is of; its cell shows the mode 'auto' picked.
+    cells[mt.cell_key("m", "v6e-8", (4, 2048), 2, "cutce_pallas-auto")] = dict(ok(4.0), gather="rows")
+    text = mt.format_table({"cells": cells, "layers": 2})
+    assert "4.00 / 2.00 · 30 s (rows)" in text and "0.50 (cutce_pallas-auto vs tiling8-ag)" in text
 
 
 def test_headline_is_default_best_tiling_and_ours_per_point():

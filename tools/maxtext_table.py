@@ -14,6 +14,9 @@ point × column:
     cutce_pallas     loss=cutce_pallas num_vocab_tiling=2 loss_batch_axes=[data,fsdp] loss_fsdp_axis=fsdp
                      loss_fsdp_gather=ring (the kernel under shard_map: XLA cannot partition a Mosaic call)
     cutce_pallas-once  the same with the table all-gathered once per step (loss_fsdp_gather=once)
+    cutce_pallas-rows  the same with the table slices home and the fsdp group's tokens gathered (rows)
+    cutce_pallas-auto  loss=cutce_pallas num_vocab_tiling=2 alone: the plugin's defaults (the axes read
+                     from MaxText's mesh, loss_fsdp_gather=auto; the cell records the mode it picked)
 
 and records the step's per-chip HBM as MaxText counts it, its temporaries and the compile's seconds, or
 ``oom`` when XLA reports that the step does not fit the chip (with the HBM it asked for where XLA says).
@@ -47,8 +50,12 @@ COLUMNS: Dict[str, Tuple[str, ...]] = {
     # A Mosaic kernel cannot be partitioned by XLA: the Pallas loss runs under shard_map over the
     # tokens, the FSDP-stored table's slices passed round the fsdp axis.
     "cutce_pallas": _PALLAS + ("loss_fsdp_gather=ring",),
-    "cutce_pallas-once": _PALLAS,
+    "cutce_pallas-once": _PALLAS + ("loss_fsdp_gather=once",),
+    "cutce_pallas-rows": _PALLAS + ("loss_fsdp_gather=rows",),
+    "cutce_pallas-auto": ("loss=cutce_pallas", "num_vocab_tiling=2"),
 }
+# The recloss column the ratio is taken of: the plugin's defaults where recorded, else the ring.
+OURS = ("cutce_pallas-auto", "cutce_pallas")
 MAXTEXT_COLUMNS = tuple(c for c in COLUMNS if not c.startswith("cutce"))
 _LINE = re.compile(r"recloss-maxtext-compile: per-chip HBM (?P<total>[\d.]+) GiB \(temporaries (?P<temp>[\d.]+) GiB\), "
                    r"compiled in (?P<seconds>[\d.]+) s")
@@ -58,6 +65,7 @@ _LINE = re.compile(r"recloss-maxtext-compile: per-chip HBM (?P<total>[\d.]+) GiB
 _OOM = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory|Exceeded hbm capacity|HbmOom", re.I)
 _USED = re.compile(r"(?:Used |HLO temporaries \()(?P<used>[\d.]+)(?P<unit>[KMGT])?\)?"
                    r"(?: of | exceeds available HBM \()(?P<cap>[\d.]+)(?P<capunit>[KMGT])?")
+_PICKED = re.compile(r"loss_fsdp_gather=auto: '(?P<mode>\w+)'")
 _UNIT = {None: 2**-30, "": 2**-30, "K": 2**-20, "M": 2**-10, "G": 1.0, "T": 2**10}
 
 
@@ -101,8 +109,12 @@ def parse_output(text: str, returncode: int) -> Dict[str, object]:
     "seconds"}``, ``{"status": "oom", "used_gib"?, "capacity_gib"?}`` or ``{"status": "error", "message"}``."""
     m = _LINE.search(text)
     if returncode == 0 and m:
-        return {"status": "ok", "total_gib": float(m.group("total")), "temp_gib": float(m.group("temp")),
+        cell = {"status": "ok", "total_gib": float(m.group("total")), "temp_gib": float(m.group("temp")),
                 "seconds": float(m.group("seconds"))}
+        picked = _PICKED.search(text)
+        if picked:
+            cell["gather"] = picked.group("mode")
+        return cell
     if _OOM.search(text):
         cell: Dict[str, object] = {"status": "oom"}
         used = _USED.search(text)
@@ -140,10 +152,19 @@ def _cell_text(cell: Optional[dict]) -> str:
     if cell is None:
         return "–"
     if cell["status"] == "ok":
-        return f"{cell['total_gib']:.2f} / {cell['temp_gib']:.2f} · {cell['seconds']:.0f} s"
+        picked = f" ({cell['gather']})" if "gather" in cell else ""
+        return f"{cell['total_gib']:.2f} / {cell['temp_gib']:.2f} · {cell['seconds']:.0f} s{picked}"
     if cell["status"] == "oom":
         return f"OOM ({cell['used_gib']:.1f} GiB temp.)" if "used_gib" in cell else "OOM"
     return "error"
+
+
+def ours(cells: Dict[str, dict]) -> Tuple[Optional[str], dict]:
+    """(column, cell) of the recloss column a row's ratio is taken of (`OURS`: the first recorded)."""
+    for column in OURS:
+        if column in cells:
+            return column, cells[column]
+    return None, {}
 
 
 def best_tiling(cells: Dict[str, dict]) -> Optional[Tuple[str, float]]:
@@ -157,15 +178,15 @@ def format_table(data: dict) -> str:
     "total / temporaries (GiB per chip) · compile s"; the last column cutce_pallas over the best MaxText one."""
     cols = [c for c in COLUMNS if any(k.endswith("|" + c) for k in data["cells"])]
     rows = _rows(data["cells"])
-    head = ["model", "topology", "batch × length", "layers", *cols, "cutce_pallas ÷ best MaxText"]
+    head = ["model", "topology", "batch × length", "layers", *cols, "recloss ÷ best MaxText"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row, cells in rows.items():
         model, topology, point, depth = row.split("|")
         best = best_tiling(cells)
-        ours = cells.get("cutce_pallas", {})
-        if ours.get("status") == "ok" and best:
-            ratio = f"{ours['total_gib'] / best[1]:.2f} (vs {best[0]})"
-        elif ours.get("status") == "ok":
+        which, mine = ours(cells)
+        if mine.get("status") == "ok" and best:
+            ratio = f"{mine['total_gib'] / best[1]:.2f} ({which} vs {best[0]})"
+        elif mine.get("status") == "ok":
             ratio = "fits; no MaxText column does"
         else:
             ratio = "–"
@@ -200,7 +221,7 @@ def _gib(cell: Optional[dict]) -> str:
 def format_headline(data: dict) -> str:
     """The README's summary of the table: per model × topology × point at the recorded depth, per-chip HBM
     (GiB) of MaxText's default loss, of its best ``num_vocab_tiling`` column, and of ``loss=cutce_pallas``
-    with its ratio to that best."""
+    (`ours`: at the plugin's defaults where recorded, else the ring) with its ratio to that best."""
     head = ["model", "topology", "batch × length", "MaxText default", "MaxText's best tiling",
             "loss=cutce_pallas", "÷ best"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -209,11 +230,11 @@ def format_headline(data: dict) -> str:
         if depth == "full":
             continue
         best = best_tiling(cells)
-        ours = cells.get("cutce_pallas")
-        ratio = (f"{ours['total_gib'] / best[1]:.2f}" if best and ours and ours["status"] == "ok" else "–")
+        mine = ours(cells)[1]
+        ratio = (f"{mine['total_gib'] / best[1]:.2f}" if best and mine.get("status") == "ok" else "–")
         lines.append("| " + " | ".join([
             model, topology, point.replace("x", " × "), _gib(cells.get("maxtext")),
-            f"{best[1]:.2f} ({best[0]})" if best else "none fits", _gib(ours), ratio]) + " |")
+            f"{best[1]:.2f} ({best[0]})" if best else "none fits", _gib(mine or None), ratio]) + " |")
     stack = data.get("stack", {})
     return "\n".join(lines) + ("\n\nper-chip HBM in GiB (arguments + outputs + temporaries − aliased), compiled with "
                                + ", ".join(f"{k} {v}" for k, v in stack.items())

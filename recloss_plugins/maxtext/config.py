@@ -73,6 +73,7 @@ import functools
 import math
 from typing import Any, Optional, Tuple
 
+import jax
 import jax.numpy as jnp
 
 import recloss
@@ -232,6 +233,23 @@ def _mesh_axes(config) -> Tuple[Tuple[str, ...], Optional[str], Optional[str], s
 # head (the first name a config's rules know is read), the table's rows ('vocab') and its D ('embed').
 _BATCH_NAMES = ("activation_embed_and_logits_batch", "activation_batch")
 _LENGTH_NAMES = ("activation_norm_length", "activation_length")
+# The output table's D: 'embed_vocab' in MaxText 0.2.5 (token_embedder.embedding, logits_dense.kernel), 'embed' before.
+_TABLE_D_NAMES = ("embed_vocab", "embed")
+
+
+def table_spec(config, mesh):
+    """The PartitionSpec MaxText stores the output table in, for its [V, D] view: V over the mesh axes
+    of size > 1 its rule for ``vocab`` names, D over those of ``embed_vocab`` (else ``embed``); None
+    without rules or when neither dim is split."""
+    rules = getattr(config, "logical_axis_rules", None)
+    size = dict(zip(mesh.axis_names, mesh.devices.shape))
+    live = lambda axes: tuple(a for a in axes or () if size.get(a, 1) > 1)
+    rows = live(_rule_axes(rules, ("vocab",)))
+    cols = tuple(a for a in live(_rule_axes(rules, _TABLE_D_NAMES)) if a not in rows)
+    if not rows and not cols:
+        return None
+    entry = lambda axes: None if not axes else (axes[0] if len(axes) == 1 else axes)
+    return jax.sharding.PartitionSpec(entry(rows), entry(cols))
 
 
 def _rule_axes(rules, names) -> Optional[Tuple[str, ...]]:
@@ -251,7 +269,7 @@ def derive_mesh_axes(config, mesh) -> Tuple[Tuple[str, ...], Optional[str], Opti
 
     Only axes of size > 1 count. The batch axes are those the rule for the head's token batch
     (``activation_embed_and_logits_batch``) maps to, in its order; the fsdp axis is the one of them
-    the rule for ``embed`` maps to (MaxText stores the table's D over it), or None; the vocab axis is
+    the rule for the table's D (``embed_vocab``, else ``embed``) maps to, or None; the vocab axis is
     the one the rule for ``vocab`` maps to (the table's rows), or None. Raises ValueError naming the
     axes when the rules cannot be read that way: no batch rule, the tokens' length split too
     (context or sequence parallelism), or two axes in one role.
@@ -273,8 +291,9 @@ def derive_mesh_axes(config, mesh) -> Tuple[Tuple[str, ...], Optional[str], Opti
                          f"{list(length)} (sizes {[size[a] for a in length]}), which the recloss loss's "
                          f"shard_map does not split{fix}")
     roles = {}
-    for role, rule in (("loss_fsdp_axis", "embed"), ("loss_vocab_axis", "vocab")):
-        axes = live(_rule_axes(rules, (rule,)))
+    for role, rule in (("loss_fsdp_axis", _TABLE_D_NAMES), ("loss_vocab_axis", ("vocab",))):
+        axes = live(_rule_axes(rules, rule))
+        rule = next((r for r in rule if _rule_axes(rules, (r,)) is not None), rule[0])
         axes = tuple(a for a in axes if (a in batch) == (role == "loss_fsdp_axis"))
         if len(axes) > 1:
             raise ValueError(f"cannot derive {role}: MaxText's rule for {rule!r} spreads it over mesh axes "
@@ -368,7 +387,12 @@ def check_supported(config):
     if strategy.objective == "sampled" and isinstance(vocab, int) and options.num_negatives > vocab:
         raise ValueError(f"num_negatives={options.num_negatives}: strategy {name!r} draws at most vocab_size={vocab} "
                          "negatives per step; lower num_negatives")
-    _check_gather(_mesh_axes(config)[3], strategy)
+    batch_axes, _, _, gather = _mesh_axes(config)
+    _check_gather(gather, strategy)
+    if gather in ("ring", "rows") and not batch_axes and strategy.xla_partitions("tpu"):
+        raise ValueError(f"loss_fsdp_gather={gather!r} needs the loss under shard_map, and loss={name!r} runs "
+                         "without one (XLA partitions it): set loss_batch_axes and loss_fsdp_axis, or "
+                         "loss_fsdp_gather=auto or once")
 
 
 def _annotation(kind):

@@ -55,6 +55,7 @@ and ``token_embedder.embedding``); MaxText needs Python >= 3.12.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Dict, Optional
 
@@ -129,6 +130,31 @@ def _targets_and_weights(data):
     return targets, weights
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def grad_in_layout(table, sharding):
+    """``table`` unchanged; its gradient is laid out as ``sharding`` (MaxText's own table layout) in the
+    table's dtype before it leaves the loss.
+
+    Under shard_map the table's gradient comes out in the loss's layout (rows over the fsdp axis),
+    and MaxText stores its table with D over that axis. Without this, XLA moves it after the cast back
+    to the float32 parameter, so the all-to-all carries float32 (two [V, D]/|fsdp| float32 buffers at
+    the step's peak); with it, the move carries the table's dtype (bfloat16) and the cast follows.
+    The values are the same: a layout, not a rounding.
+    """
+    return table
+
+
+def _grad_in_layout_fwd(table, sharding):
+    return table, None
+
+
+def _grad_in_layout_bwd(sharding, _, g):
+    return (jax.lax.with_sharding_constraint(g, sharding),)
+
+
+grad_in_layout.defvjp(_grad_in_layout_fwd, _grad_in_layout_bwd)
+
+
 def loss_from_hidden(hidden, table, data, config, *, mesh=None, key=None):
     """(Σ w·ℓ, metrics) of the configured recloss strategy (BCE, softmax or sampled, through the strategy object).
 
@@ -147,6 +173,10 @@ def loss_from_hidden(hidden, table, data, config, *, mesh=None, key=None):
     targets, weights = _targets_and_weights(data)
     strategy = recloss.get_strategy(name, options)
     layout = config_lib.layout_for(config, mesh, hidden, table)
+    if layout is not None:
+        spec = config_lib.table_spec(config, mesh)
+        if spec is not None:
+            table = grad_in_layout(table, jax.sharding.NamedSharding(mesh, spec))
     extra = {}
     if strategy.objective == "sampled":
         if key is None:

@@ -118,12 +118,15 @@ def choose_fsdp_gather(strategy, layout: "MeshLayout", *, rows: int, vocab_size:
     bytes per number), the buffers a mode adds beyond what every mode holds (the chip's own slice
     and its rows' dA) are estimated as
 
-        once  F·S·D·(b + 4)   the gathered vocab shard and its float32 gradient before the reduce-scatter
-        ring  2·S·D·(b + 4)   the slice computed on and the one arriving, with their float32 accumulators
-        rows  F·M·D·(b + 4)   the fsdp group's rows (hidden) and their float32 gradient
+        once  F·S·D·(b + 4)      the gathered vocab shard and its float32 gradient before the reduce-scatter
+        ring  S·D·(2·b + 12)     the slice computed on and the one arriving, and three float32 gradient
+                                 slices (the one travelling in, the one going out, the chip's own)
+        rows  F·M·D·(b + 4·c)    the fsdp group's rows (hidden) and their float32 gradient, c partials
+                                 of it (`Strategy.grad_partials`: a Pallas kernel's per TensorCore)
 
-    and the least is picked, ties in the order once, ring, rows (fewer collectives first). So 'ring'
-    beats 'once' when F > 2, and 'rows' beats 'ring' when the group's rows F·M are fewer than 2·S.
+    and the least is picked, ties in the order once, ring, rows (fewer collectives first). For a
+    bfloat16 table (b = 2) 'ring' beats 'once' when F > 2⅔, and 'rows' beats 'ring' when the group's
+    rows F·M are fewer than 8·S/3 (c = 1) or 1.6·S (c = 2).
     'once' when the strategy takes nothing else (`Strategy.fsdp_gathers`) or F = 1.
     """
     for name, value in (("rows", rows), ("vocab_size", vocab_size), ("features", features),
@@ -137,7 +140,9 @@ def choose_fsdp_gather(strategy, layout: "MeshLayout", *, rows: int, vocab_size:
         return GatherChoice("once", {}, f"strategy {strategy.name!r} takes only 'once'")
     s = padded_vocab_size(vocab_size, layout) // layout.table_shards
     per = features * (itemsize + 4)
-    estimate = {"once": f * s * per, "ring": 2 * s * per, "rows": f * rows * per}
+    partials = strategy.grad_partials(layout)
+    estimate = {"once": f * s * per, "ring": s * features * (2 * itemsize + 12),
+                "rows": f * rows * features * (itemsize + 4 * partials)}
     estimate = {m: b for m, b in estimate.items() if m in strategy.fsdp_gathers}
     mode = min(estimate, key=lambda m: (estimate[m], FSDP_GATHERS.index(m)))
     return GatherChoice(mode, estimate, f"fsdp {f}, {s:,} table rows a slice, {rows:,} positions a chip")

@@ -75,6 +75,11 @@ class Strategy:
         cannot split, so a Pallas strategy compiling its kernel needs a layout (its shard_map) there."""
         return True
 
+    def grad_partials(self, layout) -> int:
+        """How many partial sums of dA per row the strategy keeps before adding them (a Pallas kernel
+        keeps one per TensorCore of a two-core chip); `recloss.choose_fsdp_gather` counts them."""
+        return 1
+
     def partition_specs(self, layout) -> sharding.Specs:
         """PartitionSpecs of the loss's arrays under ``layout`` (a `recloss.MeshLayout`)."""
         return sharding.default_specs(layout)

@@ -30,6 +30,21 @@ def test_loss_argument_is_the_last_loss_key():
     m = mc.Measured({"total": 3 * 2**30, "temp": 2**30}, 12.34, None)
     assert mc.describe(m) == ("recloss-maxtext-compile: per-chip HBM 3.000 GiB (temporaries 1.000 GiB), "
                               "compiled in 12.3 s; loss=MaxText default")
+    assert mc.describe(m._replace(xla_bytes=5 * 2**29, loss="cutce_pallas")) == (
+        "recloss-maxtext-compile: per-chip HBM 3.000 GiB (temporaries 1.000 GiB; XLA's count 2.500 GiB), "
+        "compiled in 12.3 s; loss=cutce_pallas")
+
+
+@pytest.mark.tier1
+def test_xla_count_reads_the_dump_xla_flags_names(tmp_path):
+    assert mc.xla_count("--xla_force_host_platform_device_count=8") is None
+    with pytest.raises(RuntimeError, match=r"asks for a dump into .* but XLA wrote no buffer assignment"):
+        mc.xla_count(f"--xla_dump_to={tmp_path}")
+    stem = tmp_path / "module_0001.jit_train_step.after_optimizations"
+    (tmp_path / (stem.name + "-live-range.txt")).write_text("x")
+    (tmp_path / (stem.name + "-memory-usage-report.txt")).write_text(
+        "Memory Space: default (color=0)\nTotal bytes: 1234567\n")
+    assert mc.xla_count(f"--xla_foo=1 --xla_dump_to={tmp_path} --xla_bar=2") == 1234567
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,9 @@ def test_parse_output_ok_oom_and_error():
     auto = mt.parse_output("recloss: loss_fsdp_gather=auto: 'rows' (fsdp 4, ...)\nrecloss-maxtext-compile: per-chip "
                            "HBM 5.214 GiB (temporaries 2.118 GiB), compiled in 41.3 s; loss=cutce_pallas\n", 0)
     assert auto == dict(ok, gather="rows")
+    xla = mt.parse_output("recloss-maxtext-compile: per-chip HBM 5.214 GiB (temporaries 2.118 GiB; XLA's count "
+                          "4.750 GiB), compiled in 41.3 s; loss=cutce_pallas\n", 0)
+    assert xla == dict(ok, xla_gib=4.75)
     new = ("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, "
            "the total memory required for HLO temporaries (34.96G) exceeds available HBM (31.24G).")
     assert mt.parse_output(new, 1) == {"status": "oom", "used_gib": 34.96, "capacity_gib": 31.24}
@@ -43,6 +46,11 @@ def test_points_and_table():
     cells[mt.cell_key("m", "v6e-8", (4, 2048), 2, "cutce_pallas-auto")] = dict(ok(4.0), gather="rows")
     text = mt.format_table({"cells": cells, "layers": 2})
     assert "4.00 / 2.00 · 30 s (rows)" in text and "0.50 (cutce_pallas-auto vs tiling8-ag)" in text
+    # XLA's own count, where a cell recorded it, beside memory_analysis's, and the ratio by it (its own best).
+    cells[mt.cell_key("m", "v6e-8", (4, 2048), 2, "cutce_pallas-auto")]["xla_gib"] = 3.0
+    cells[mt.cell_key("m", "v6e-8", (4, 2048), 2, "tiling4")]["xla_gib"] = 5.0
+    text = mt.format_table({"cells": cells, "layers": 2})
+    assert "4.00 / 2.00 · XLA 3.00 · 30 s (rows)" in text and "by XLA's count 0.60 (vs tiling4)" in text
 
 
 def test_headline_is_default_best_tiling_and_ours_per_point():

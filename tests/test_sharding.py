@@ -39,25 +39,35 @@ def _cases():
 @pytest.mark.parametrize("shape,vocab,features,itemsize", [((1, 8, 1), 1000, 16, 4), ((2, 4, 1), 100_000, 64, 2),
                                                            ((1, 4, 2), 4096, 8, 2), ((4, 2, 1), 5000, 32, 4)])
 def test_choose_fsdp_gather_picks_the_least_estimated_bytes(shape, vocab, features, itemsize, rng):
-    """The rule the docs state (docs/sharding.md): per chip once F·S·D·(b+4), ring 2·S·D·(b+4), rows
-    F·M·D·(b+4); the least wins, ties once < ring < rows. Pinned at random row counts and at the
-    boundaries where rows and ring (F·M = 2·S) or once and ring (F = 2) tie."""
+    """The rule the docs state (docs/sharding.md): per chip once F·S·D·(b+4), ring S·D·(2b+12), rows
+    F·M·D·(b+4c) with c dA partials (1 here: the kernel is interpreted on CPU); the least wins, ties
+    once < ring < rows. Pinned at random row counts and at the boundaries where rows ties the smaller
+    of the other two."""
     layout = make_layout(shape)
     f, per = layout.fsdp_shards, features * (itemsize + 4)
     s = recloss.padded_vocab_size(vocab, layout) // layout.table_shards
     kw = dict(vocab_size=vocab, features=features, itemsize=itemsize)
     cutce = recloss.get_strategy("cutce_pallas")
-    boundary = -(-2 * s // f)                      # the least M with F·M >= 2·S
+    assert cutce.grad_partials(layout) == 1 and recloss.get_strategy("cutce").grad_partials(layout) == 1
+    once, ring = f * s * per, s * features * (2 * itemsize + 12)
+    other = min(once, ring)
+    boundary = -(-other // (f * per))              # the least M whose rows estimate reaches the other two's
     draws = [int(m) for m in rng.integers(1, 4 * s, 4)]
     print("rows drawn:", draws)
     for m in draws + [boundary - 1, boundary, boundary + 1, 1]:
         got = recloss.choose_fsdp_gather(cutce, layout, rows=m, **kw)
-        assert got.bytes == {"once": f * s * per, "ring": 2 * s * per, "rows": f * m * per}
-        want = "once" if f <= 2 and f * m >= f * s else ("rows" if f * m < min(2, f) * s else "ring")
+        assert got.bytes == {"once": once, "ring": ring, "rows": f * m * per}
+        want = "rows" if f * m * per < other else ("once" if once <= ring else "ring")
         assert got.mode == want, (m, got)
         assert got.describe().startswith(f"loss_fsdp_gather=auto: {want!r} (fsdp {f}, {s:,} table rows a slice")
-    if f * boundary == 2 * s and f > 2:            # an exact tie of rows and ring goes to ring
-        assert recloss.choose_fsdp_gather(cutce, layout, rows=boundary, **kw).mode == "ring"
+    if f * boundary * per == other:                # an exact tie goes to the mode with fewer collectives
+        assert recloss.choose_fsdp_gather(cutce, layout, rows=boundary, **kw).mode != "rows"
+    # A compiled kernel for a two-core chip keeps two dA partials a row: rows counts its gradient twice.
+    from recloss.softmax.strategies import CutCEPallas
+    two = CutCEPallas(recloss.LossOptions(interpret=False), chip="v5p")
+    assert two.grad_partials(layout) == 2
+    m = draws[0]
+    assert recloss.choose_fsdp_gather(two, layout, rows=m, **kw).bytes["rows"] == f * m * features * (itemsize + 8)
     dense = recloss.choose_fsdp_gather(recloss.get_strategy("dense_ce"), layout, rows=1, **kw)
     assert (dense.mode, dense.bytes) == ("once", {}) and "takes only 'once'" in dense.describe()
     alone = recloss.choose_fsdp_gather(cutce, make_layout((8, 1, 1)), rows=1, **kw)

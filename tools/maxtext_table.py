@@ -18,7 +18,9 @@ point × column:
     cutce_pallas-auto  loss=cutce_pallas num_vocab_tiling=2 alone: the plugin's defaults (the axes read
                      from MaxText's mesh, loss_fsdp_gather=auto; the cell records the mode it picked)
 
-and records the step's per-chip HBM as MaxText counts it, its temporaries and the compile's seconds, or
+and records the step's per-chip HBM as MaxText counts it (`memory_analysis`), its temporaries, XLA's own
+count (the buffer assignment the TPU compiler holds against the chip, from a dump each cell makes in a
+temporary folder) and the compile's seconds, or
 ``oom`` when XLA reports that the step does not fit the chip (with the HBM it asked for where XLA says).
 The JSON is rewritten after every cell and ``--resume`` skips the cells it already holds, so a long
 recording can be stopped and continued. ``--full-depth MODEL`` adds rows at the model's own layer
@@ -37,6 +39,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -57,8 +60,8 @@ COLUMNS: Dict[str, Tuple[str, ...]] = {
 # The recloss column the ratio is taken of: the plugin's defaults where recorded, else the ring.
 OURS = ("cutce_pallas-auto", "cutce_pallas")
 MAXTEXT_COLUMNS = tuple(c for c in COLUMNS if not c.startswith("cutce"))
-_LINE = re.compile(r"recloss-maxtext-compile: per-chip HBM (?P<total>[\d.]+) GiB \(temporaries (?P<temp>[\d.]+) GiB\), "
-                   r"compiled in (?P<seconds>[\d.]+) s")
+_LINE = re.compile(r"recloss-maxtext-compile: per-chip HBM (?P<total>[\d.]+) GiB \(temporaries (?P<temp>[\d.]+) GiB"
+                   r"(?:; XLA's count (?P<xla>[\d.]+) GiB)?\), compiled in (?P<seconds>[\d.]+) s")
 # XLA's TPU out-of-memory messages, e.g. "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on
 # HBM, the total memory required for HLO temporaries (34.96G) exceeds available HBM (31.24G)" (libtpu 0.0.50)
 # or "... Used 41.2G of 31.25G hbm. Exceeded hbm capacity by 10.0G." (older ones).
@@ -111,6 +114,8 @@ def parse_output(text: str, returncode: int) -> Dict[str, object]:
     if returncode == 0 and m:
         cell = {"status": "ok", "total_gib": float(m.group("total")), "temp_gib": float(m.group("temp")),
                 "seconds": float(m.group("seconds"))}
+        if m.group("xla"):
+            cell["xla_gib"] = float(m.group("xla"))
         picked = _PICKED.search(text)
         if picked:
             cell["gather"] = picked.group("mode")
@@ -136,14 +141,17 @@ def compile_cell(base_yml: str, model: str, topology: str, point: Sequence[int],
     if layers is not None:
         args += ["override_model_config=true", f"base_num_decoder_layers={layers}"]
     args += list(COLUMNS[column])
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
     start = time.perf_counter()
-    try:
-        run = subprocess.run([sys.executable, "-m", "recloss_plugins.maxtext.compile", *args], env=env,
-                             capture_output=True, text=True, timeout=timeout)
-        cell = parse_output(run.stdout + "\n" + run.stderr, run.returncode)
-    except subprocess.TimeoutExpired:
-        cell = {"status": "error", "message": f"compile ran past --timeout {timeout:g} s"}
+    # XLA dumps the step's buffer assignment here, from which the command reads XLA's own HBM count.
+    with tempfile.TemporaryDirectory(prefix="recloss-maxtext-dump-") as dump:
+        flags = " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}")))
+        env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1", XLA_FLAGS=flags)
+        try:
+            run = subprocess.run([sys.executable, "-m", "recloss_plugins.maxtext.compile", *args], env=env,
+                                 capture_output=True, text=True, timeout=timeout)
+            cell = parse_output(run.stdout + "\n" + run.stderr, run.returncode)
+        except subprocess.TimeoutExpired:
+            cell = {"status": "error", "message": f"compile ran past --timeout {timeout:g} s"}
     cell["wall_s"] = round(time.perf_counter() - start, 1)
     return cell
 
@@ -153,7 +161,8 @@ def _cell_text(cell: Optional[dict]) -> str:
         return "–"
     if cell["status"] == "ok":
         picked = f" ({cell['gather']})" if "gather" in cell else ""
-        return f"{cell['total_gib']:.2f} / {cell['temp_gib']:.2f} · {cell['seconds']:.0f} s{picked}"
+        xla = f" · XLA {cell['xla_gib']:.2f}" if "xla_gib" in cell else ""
+        return f"{cell['total_gib']:.2f} / {cell['temp_gib']:.2f}{xla} · {cell['seconds']:.0f} s{picked}"
     if cell["status"] == "oom":
         return f"OOM ({cell['used_gib']:.1f} GiB temp.)" if "used_gib" in cell else "OOM"
     return "error"
@@ -167,9 +176,11 @@ def ours(cells: Dict[str, dict]) -> Tuple[Optional[str], dict]:
     return None, {}
 
 
-def best_tiling(cells: Dict[str, dict]) -> Optional[Tuple[str, float]]:
-    """The MaxText column with the smallest per-chip HBM among those that compiled, or None."""
-    fits = [(c, cells[c]["total_gib"]) for c in MAXTEXT_COLUMNS if cells.get(c, {}).get("status") == "ok"]
+def best_tiling(cells: Dict[str, dict], count: str = "total_gib") -> Optional[Tuple[str, float]]:
+    """The MaxText column with the smallest per-chip HBM by ``count`` (``'total_gib'``: memory_analysis;
+    ``'xla_gib'``: XLA's own) among those that compiled and recorded it, or None."""
+    fits = [(c, cells[c][count]) for c in MAXTEXT_COLUMNS
+            if cells.get(c, {}).get("status") == "ok" and count in cells[c]]
     return min(fits, key=lambda x: x[1]) if fits else None
 
 
@@ -186,6 +197,9 @@ def format_table(data: dict) -> str:
         which, mine = ours(cells)
         if mine.get("status") == "ok" and best:
             ratio = f"{mine['total_gib'] / best[1]:.2f} ({which} vs {best[0]})"
+            best_xla = best_tiling(cells, "xla_gib")
+            if "xla_gib" in mine and best_xla:
+                ratio += f"; by XLA's count {mine['xla_gib'] / best_xla[1]:.2f} (vs {best_xla[0]})"
         elif mine.get("status") == "ok":
             ratio = "fits; no MaxText column does"
         else:

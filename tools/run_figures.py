@@ -52,7 +52,8 @@ MAXTEXT_TABLE = "\n".join(
                  "--models qwen3-0.6b gemma-2b llama3.1-8b --topologies v5p-8 --columns maxtext tiling4 tiling8 cutce "
                  "cutce_pallas",
                  "--topologies v6e-8 --columns tiling8 cutce_pallas --largest",
-                 "--models qwen3-0.6b gemma-2b llama3.1-8b --topologies v5p-8 --columns cutce_pallas-auto"))
+                 "--models qwen3-0.6b gemma-2b llama3.1-8b --topologies v6e-8 v5p-8 --columns tiling4 tiling8 "
+                 "cutce_pallas-auto --full-depth qwen3-0.6b --full-depth-columns tiling8 cutce_pallas-auto"))
 
 RUN_TABLES: Dict[str, RunTable] = {
     "input-bench": RunTable(

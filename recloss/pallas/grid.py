@@ -472,6 +472,10 @@ def sweep(spec: Spec, t: tiling.Tiling, a, e, b, vocab_offset, *, rows: Sequence
             de_acc, db_acc = carry
             out = run(xs[0], e_p, b_p, list(zip(names, xs[1])), de_acc, db_acc, off)
             rows_out = {k: x for k, x in out.items() if k not in ("de", "db")}
+            if "da" in rows_out and t.cores > 1:
+                # The cores' dA partials summed per chunk, so the scan stacks one [bn, Dp] f32 per chunk,
+                # not one per core (on a two-core chip 1 GiB less at 65,536 rows of D = 4,096).
+                rows_out["da"] = jnp.sum(rows_out["da"], axis=0, keepdims=True)
             return (out.get("de"), out.get("db")), rows_out
 
         init = (jnp.zeros((v, dp), jnp.float32) if spec.grad else None,

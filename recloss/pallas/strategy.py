@@ -81,6 +81,16 @@ class PallasStrategy:
         """Only in interpret mode: XLA cannot partition a Mosaic kernel (it needs a `MeshLayout`)."""
         return self.interpret(platform)
 
+    def grad_partials(self, layout) -> int:
+        """dA partials the kernel keeps per row on ``layout``'s chips: one per TensorCore that splits
+        the vocab blocks (2 on v4 and v5p), 1 in interpret mode."""
+        if self.interpret(layout.platform):
+            return 1
+        if self.chip is not None:
+            return tiling.get_chip(self.chip).cores
+        device = layout.mesh.devices.flat[0]
+        return tiling.chip_from_device_kind(device.device_kind, getattr(device, "num_cores", None)).cores
+
     def kernel_config(self, platform: str):
         """(chip, interpret) for a kernel plan on ``platform``: the `tiling.Chip` to tile for, and
         False, True or the ``interpret_params``. Warns once when the kernel is interpreted off TPU."""

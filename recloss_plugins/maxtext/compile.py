@@ -13,17 +13,22 @@ aliased), the temporaries alone and the compile's wall time:
 
     recloss-maxtext-compile: per-chip HBM 5.214 GiB (temporaries 2.118 GiB), compiled in 41.3 s; loss=cutce_pallas
 
-and returns them (`Measured`). A step that does not fit stops with MaxText's (XLA's) out-of-memory error.
+and returns them (`Measured`). When ``XLA_FLAGS`` has ``--xla_dump_to=DIR`` the line also carries XLA's own
+count of the step's HBM (`recloss.aot.hbm_bytes`: what the TPU compiler holds against the chip), read from
+the buffer assignment it dumped: ``per-chip HBM 5.214 GiB (temporaries 2.118 GiB; XLA's count 4.987 GiB)``.
+A step that does not fit stops with MaxText's (XLA's) out-of-memory error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import sys
 import time
 from typing import Dict, NamedTuple, Optional, Sequence
 
-from recloss.aot import libtpu_env, memory_report
+from recloss.aot import hbm_bytes, libtpu_env, memory_report
 
 _MODULE = "maxtext.trainers.pre_train.train_compile"
 _PREFIX = "recloss-maxtext-compile:"
@@ -32,10 +37,32 @@ _PREFIX = "recloss-maxtext-compile:"
 class Measured(NamedTuple):
     """What one compile cost: ``memory`` is `recloss.aot.memory_report`'s dict (bytes per
     chip: argument, output, temp, alias, code, total); ``seconds`` the compile's wall time; ``loss``
-    the recloss strategy, or None for MaxText's own loss."""
+    the recloss strategy, or None for MaxText's own loss; ``xla_bytes`` XLA's own count (`xla_count`),
+    or None when no dump was asked for."""
     memory: Dict[str, float]
     seconds: float
     loss: Optional[str]
+    xla_bytes: Optional[int] = None
+
+
+_DUMP = re.compile(r"--xla_dump_to=(\S+)")
+
+
+def xla_count(flags: Optional[str] = None) -> Optional[int]:
+    """XLA's own HBM count of the step (`recloss.aot.hbm_bytes`) from the folder ``--xla_dump_to`` in
+    ``flags`` (default: the ``XLA_FLAGS`` environment variable) names, or None when it names none.
+    Raises RuntimeError when the folder holds no buffer assignment to read."""
+    m = _DUMP.search(os.environ.get("XLA_FLAGS", "") if flags is None else flags)
+    if not m:
+        return None
+    try:
+        count = hbm_bytes(m.group(1))
+    except FileNotFoundError as err:
+        raise RuntimeError(f"XLA_FLAGS asks for a dump into {m.group(1)!r}, but XLA wrote no buffer assignment "
+                           f"there: {err}") from None
+    if count < 0:
+        raise RuntimeError(f"XLA wrote no memory-usage report into {m.group(1)!r}; its own HBM count is unknown")
+    return count
 
 
 def loss_argument(argv: Sequence[str]) -> Optional[str]:
@@ -88,7 +115,7 @@ def compile_step(argv: Sequence[str], *, out=None) -> Measured:
         raise RuntimeError(f"{_MODULE}.main returned without calling jit_and_compile: this MaxText "
                            f"version compiles its step elsewhere, so nothing was measured")
     compiled, seconds = record[-1]
-    measured = Measured(memory_report(compiled), seconds, loss)
+    measured = Measured(memory_report(compiled), seconds, loss, xla_count())
     print(describe(measured), file=out or sys.stdout, flush=True)
     return measured
 
@@ -96,7 +123,8 @@ def compile_step(argv: Sequence[str], *, out=None) -> Measured:
 def describe(m: Measured) -> str:
     """`Measured` as the one line the command prints."""
     g = lambda key: f"{m.memory[key] / 2**30:.3f} GiB"
-    hbm = (f"per-chip HBM {g('total')} (temporaries {g('temp')})" if m.memory
+    xla = "" if m.xla_bytes is None else f"; XLA's count {m.xla_bytes / 2**30:.3f} GiB"
+    hbm = (f"per-chip HBM {g('total')} (temporaries {g('temp')}{xla})" if m.memory
            else "per-chip HBM unavailable (no memory analysis on this backend)")
     return f"{_PREFIX} {hbm}, compiled in {m.seconds:.1f} s; loss={m.loss or 'MaxText default'}"
 

@@ -442,6 +442,21 @@ def test_the_table_gradient_leaves_the_loss_in_maxtext_layout_and_dtype(rng):
 
 
 @pytest.mark.tier1
+def test_an_untied_head_is_transposed_in_its_compute_dtype_with_the_same_values(rng):
+    """`row_major_transpose`: kernel.T and its gradient's transpose, moved in memory (a layout
+    constraint, so XLA does not re-lay out the float32 parameter and its moments instead); the values
+    are kernel.T's, forward and backward."""
+    kernel = jnp.asarray(rng.standard_normal((16, 40)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
+    f = lambda k, t: jnp.sum(jnp.sin(t(k.astype(jnp.bfloat16)).astype(jnp.float32)) * weights)
+    got = jax.jit(jax.value_and_grad(lambda k: f(k, rm_loss.row_major_transpose)))(kernel)
+    want = jax.jit(jax.value_and_grad(lambda k: f(k, lambda x: x.T)))(kernel)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(rm_loss.row_major_transpose(kernel), kernel.T)
+
+
+@pytest.mark.tier1
 def test_loss_from_hidden_with_mesh_layout(rng):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
     cfg = _config(loss_batch_axes=["data", "fsdp"], loss_fsdp_axis="fsdp", loss_vocab_axis="tensor",

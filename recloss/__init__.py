@@ -12,12 +12,13 @@ from recloss.options import LossOptions
 from recloss.sampled import log_q_from_counts
 from recloss.softcap import soft_cap
 from recloss.registry import available_strategies, get_strategy, register_strategy, unregister_strategy
-from recloss.sharding import (FSDP_GATHERS, MeshLayout, Specs, check_fsdp_gather, choose_fsdp_gather, padded_vocab_size,
-                              psum_in_place)
+from recloss.sharding import (FSDP_GATHERS, GatherChoice, MeshLayout, Specs, check_fsdp_gather, choose_fsdp_gather,
+                              padded_vocab_size, psum_in_place)
 from recloss.strategy import Strategy
 
 __all__ = [
     "FSDP_GATHERS",
+    "GatherChoice",
     "LossOptions",
     "LossOutput",
     "MeshLayout",

@@ -116,7 +116,7 @@ def choose_fsdp_gather(strategy, layout: "MeshLayout", *, rows: int, vocab_size:
     With F = |fsdp|, S = the rows of a chip's table slice (padded V / (|vocab|·F)), M = ``rows``
     (positions per chip after the batch split), D = ``features`` and b = ``itemsize`` (the table's
     bytes per number), the buffers a mode adds beyond what every mode holds (the chip's own slice
-    and its rows' dA) are estimated as
+    and its rows' dA) are estimated as::
 
         once  F·S·D·(b + 4)      the gathered vocab shard and its float32 gradient before the reduce-scatter
         ring  S·D·(2·b + 12)     the slice computed on and the one arriving, and three float32 gradient

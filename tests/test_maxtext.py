@@ -385,7 +385,7 @@ def test_pallas_loss_on_a_tpu_mesh_runs_the_kernel_and_derives_its_axes(rng, mon
     rm.loss_from_hidden(hidden, table, data, _config(loss="cutce_pallas", loss_interpret=True), mesh=stand_in)
     rm.loss_from_hidden(hidden, table, data, _config(loss="cutce"), mesh=stand_in)
     with pytest.raises(ValueError, match=r"loss_fsdp_gather='ring' needs the loss under shard_map, and "
-                                         r"loss='cutce' runs without one here"):
+                                         r"loss='cutce' runs without one \(XLA partitions it\)"):
         rm.loss_from_hidden(hidden, table, data, _config(loss="cutce", loss_fsdp_gather="ring"), mesh=stand_in)
 
     # The derived layout end to end: a real 8-device CPU mesh with MaxText's axis names, its platform

@@ -212,6 +212,13 @@ def _check_gather(gather, strategy=None):
     recloss.check_fsdp_gather(gather, strategy, key="loss_fsdp_gather")
 
 
+def _no_shard_map(gather, name) -> ValueError:
+    """The error for 'ring' or 'rows' asked of a loss that runs without a shard_map."""
+    return ValueError(f"loss_fsdp_gather={gather!r} needs the loss under shard_map, and loss={name!r} runs "
+                      "without one (XLA partitions it): set loss_batch_axes and loss_fsdp_axis, or "
+                      "loss_fsdp_gather=auto or once")
+
+
 def _mesh_axes(config) -> Tuple[Tuple[str, ...], Optional[str], Optional[str], str]:
     """(loss_batch_axes, loss_fsdp_axis, loss_vocab_axis, loss_fsdp_gather) as set; the axes need the
     first, ``'ring'`` and ``'rows'`` an fsdp axis (set, or derived when the batch axes are)."""
@@ -241,15 +248,21 @@ def table_spec(config, mesh):
     """The PartitionSpec MaxText stores the output table in, for its [V, D] view: V over the mesh axes
     of size > 1 its rule for ``vocab`` names, D over those of ``embed_vocab`` (else ``embed``); None
     without rules or when neither dim is split."""
-    rules = getattr(config, "logical_axis_rules", None)
-    size = dict(zip(mesh.axis_names, mesh.devices.shape))
-    live = lambda axes: tuple(a for a in axes or () if size.get(a, 1) > 1)
+    rules, _, live = _mesh_rules(config, mesh)
     rows = live(_rule_axes(rules, ("vocab",)))
     cols = tuple(a for a in live(_rule_axes(rules, _TABLE_D_NAMES)) if a not in rows)
     if not rows and not cols:
         return None
     entry = lambda axes: None if not axes else (axes[0] if len(axes) == 1 else axes)
     return jax.sharding.PartitionSpec(entry(rows), entry(cols))
+
+
+def _mesh_rules(config, mesh):
+    """(MaxText's logical_axis_rules or None, {mesh axis: size}, live) where live(axes) keeps the axes
+    of size > 1, in order."""
+    size = dict(zip(mesh.axis_names, mesh.devices.shape))
+    return (getattr(config, "logical_axis_rules", None), size,
+            lambda axes: tuple(a for a in axes or () if size.get(a, 1) > 1))
 
 
 def _rule_axes(rules, names) -> Optional[Tuple[str, ...]]:
@@ -274,10 +287,7 @@ def derive_mesh_axes(config, mesh) -> Tuple[Tuple[str, ...], Optional[str], Opti
     axes when the rules cannot be read that way: no batch rule, the tokens' length split too
     (context or sequence parallelism), or two axes in one role.
     """
-    names = tuple(mesh.axis_names)
-    size = dict(zip(names, mesh.devices.shape))
-    live = lambda axes: tuple(a for a in axes or () if size.get(a, 1) > 1)
-    rules = getattr(config, "logical_axis_rules", None)
+    rules, size, live = _mesh_rules(config, mesh)
     fix = ("; set loss_batch_axes (the mesh axes the tokens are split over), loss_fsdp_axis and "
            "loss_vocab_axis yourself")
     batch = _rule_axes(rules, _BATCH_NAMES)
@@ -319,9 +329,7 @@ def layout_for(config, mesh, hidden=None, table=None, *, log=print) -> Optional[
     if not batch_axes:
         if platform is None or mesh.devices.size == 1 or strategy.xla_partitions(platform):
             if gather in ("ring", "rows"):
-                raise ValueError(f"loss_fsdp_gather={gather!r} needs the loss under shard_map, and loss={name!r} "
-                                 "runs without one here (XLA partitions it): set loss_batch_axes and "
-                                 "loss_fsdp_axis, or loss_fsdp_gather=auto or once")
+                raise _no_shard_map(gather, name)
             return None
         batch_axes, fsdp, vocab = derive_mesh_axes(config, mesh)
         log(f"recloss: loss={name!r} runs a Mosaic kernel under shard_map on MaxText's "
@@ -390,9 +398,7 @@ def check_supported(config):
     batch_axes, _, _, gather = _mesh_axes(config)
     _check_gather(gather, strategy)
     if gather in ("ring", "rows") and not batch_axes and strategy.xla_partitions("tpu"):
-        raise ValueError(f"loss_fsdp_gather={gather!r} needs the loss under shard_map, and loss={name!r} runs "
-                         "without one (XLA partitions it): set loss_batch_axes and loss_fsdp_axis, or "
-                         "loss_fsdp_gather=auto or once")
+        raise _no_shard_map(gather, name)
 
 
 def _annotation(kind):

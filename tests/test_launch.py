@@ -97,9 +97,11 @@ def _flag(argv, name):
 def _args_dump_program(path: Path, out: Path):
     """A program that writes its argv, cwd and JAX_COORDINATOR_ADDRESS to ``out`` and prints 'trained'."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Written to a side file and renamed, so a test polling for ``out`` (a detached run) never reads it half-written.
     path.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
                     f"json.dump({{'argv': sys.argv[1:], 'cwd': os.getcwd(), "
-                    f"'coordinator': os.environ.get('JAX_COORDINATOR_ADDRESS')}}, open({str(out)!r}, 'w'))\n"
+                    f"'coordinator': os.environ.get('JAX_COORDINATOR_ADDRESS')}}, open({str(out)!r} + '.part', 'w'))\n"
+                    f"os.replace({str(out)!r} + '.part', {str(out)!r})\n"
                     "print('trained')\n")
     path.chmod(0o755)
 

@@ -85,8 +85,11 @@ class Ring(NamedTuple):
             return e_nxt, b_nxt, merge(stay, st), _add(de_in, de_s), _add(db_in, db_s)
 
         stay, de, db = jax.lax.fori_loop(1, self.size, body, (e_next, b_next, stay, de, db))[2:]
-        # After F steps chip i holds slice i+1's full dE: one more step brings it home.
-        return stay, self.shift(de), self.shift(db)
+        # After F steps chip i holds slice i+1's full dE: one more step brings it home. The barrier ties
+        # that last exchange to the per-row results: without it XLA's scheduler lets a backward ring's
+        # exchange run under the whole decoder backward (which needs only dA), and its send and receive
+        # buffers (two dE slices) sit in that peak (gemma-2b, v5p-8, 8×4096: docs/maxtext.md).
+        return jax.lax.optimization_barrier((stay, self.shift(de), self.shift(db)))
 
 
 def _add(x, y):

@@ -242,3 +242,69 @@ def test_tpu_v6e8_ring_compiles_the_kernel_and_saves_memory():
         temp[gather] = ma.temp_size_in_bytes
     print({k: f"{v / 2**20:.1f} MiB" for k, v in temp.items()})
     assert 0 < temp["ring"] <= temp["once"] / 3, temp
+
+
+# ------------------------------------------------------------------------- 16-bit gradients: the error bound
+# docs/sharding.md "16-bit gradients": with hidden, table and bias in a 16-bit dtype of unit roundoff u, every
+# gradient entry g of a sharded loss is within (n + 2)·u·S + η·(T + n + 2) + 1e-5·S of the float64 gradient of the
+# same 16-bit inputs: S the entry's sum of absolute terms (|G|ᵀ|H| for the table, |G||E| for the hidden states,
+# Σ|G| for the bias: `OracleResult.grad_scale`), n the partial gradients added in the 16-bit dtype (G rounded to
+# the dtype before its products, each partial rounded once, n − 1 sums: n + 1 roundings of at most u·S each, and
+# one for the second-order terms), η half the dtype's smallest subnormal (a rounding's absolute error near 0), T
+# what a G entry's η is multiplied into (Σ_m |H_md| for the table, Σ_v |E_vd| for the hidden states, M for the
+# bias) and 1e-5·S the float32 work before any rounding. η·T is float16's: a 'mean' over M rows and V columns puts
+# G near 1/(M·V), below float16's least normal 2^-14 already at M·V ≈ 16,000, where it keeps fewer bits; for
+# bfloat16 (η = 2^-134) the bound is (n + 2)·u·S.
+SIXTEEN_BIT = {"bfloat16": (2.0 ** -8, 2.0 ** -134), "float16": (2.0 ** -11, 2.0 ** -25)}
+
+
+def sixteen_bit_partials(gather: str, layout) -> dict:
+    """n per gradient: the table's and bias' are summed over the data axes (shard_map's transpose) and, under
+    'once', reduce-scattered over fsdp; 'rows' writes each slice's once; the ring adds each visit's 16-bit
+    partial into a float32 carry and rounds the sum once more. The hidden states' are summed over the vocab
+    axis and, under 'rows', reduce-scattered over fsdp. Each gets one more for a target (sparse) term whose
+    gradient is a separate 16-bit value."""
+    data = int(np.prod([layout.axis_size(a) for a in layout.batch_axes if a != layout.fsdp_axis]))
+    f, vocab = layout.fsdp_shards, layout.vocab_shards
+    table = data * (f if gather == "once" else 1) + (2 if gather == "ring" else 1)
+    return {"table": table, "bias": table, "hidden": vocab * (f if gather == "rows" else 1) + 1}
+
+
+def _sixteen_bit_cases():
+    for strategy in ("cutce", "cutce_pallas", "cutbce", "cutbce_pallas"):
+        for gather in ("once", "ring", "rows"):
+            # float16 operands are widened to float32 before a kernel (`tiling.kernel_dtype`): bfloat16 is
+            # the kernels' 16-bit path.
+            for dtype in ("bfloat16",) if "pallas" in strategy else ("bfloat16", "float16"):
+                yield pytest.param(strategy, gather, dtype, id=f"{strategy}-{gather}-{dtype}")
+
+
+@pytest.mark.parametrize("strategy,gather,dtype", list(_sixteen_bit_cases()))
+def test_16bit_gradients_are_within_the_stated_bound_of_the_float64_oracle(strategy, gather, dtype, rng):
+    from oracle import softmax_oracle
+    layout = make_layout((2, 4, 1), fsdp_gather=gather)
+    inputs = {k: (v.astype(dtype) if k in ("hidden", "table", "bias") else v)
+              for k, v in make_inputs(rng, lead=(4, 16), D=64, V=V, rows=ROWS).items()}
+    objective = recloss.get_strategy(strategy).objective
+    # The kernels' least blocks for bfloat16 (16-row sublane packing, 128 lanes); 252-row slices leave a tail.
+    opts = dict(SOFTMAX_OPTIONS if objective == "softmax" else BCE_OPTIONS, vocab_size=V, block_n=16, block_v=128)
+    _, _, grads = loss_and_grads(strategy, inputs, layout, **opts)
+    oracle = (softmax_oracle if objective == "softmax" else bce_oracle)(
+        inputs["hidden"], inputs["table"], inputs["targets"], inputs["weights"], inputs["bias"],
+        **{k: v for k, v in opts.items() if k not in ("block_v", "block_n")})
+    (u, eta), n = SIXTEEN_BIT[dtype], sixteen_bit_partials(gather, layout)
+    h = np.abs(np.asarray(inputs["hidden"], np.float64)).reshape(-1, 64)
+    e = np.abs(np.asarray(inputs["table"], np.float64))
+    into = {"table": h.sum(0)[None, :], "hidden": e.sum(0).reshape(1, 1, -1), "bias": float(h.shape[0])}
+    worst = {}
+    for name, g in zip(("hidden", "table", "bias"), grads):
+        assert g.dtype == jnp.dtype(dtype), (name, g.dtype)
+        want, scale = oracle.grads[name], oracle.grad_scale[name]
+        assert np.max(np.abs(want)) > 0, name
+        err = np.abs(np.asarray(g, np.float64) - want)
+        bound = (n[name] + 2) * u * scale + eta * (into[name] + n[name] + 2) + 1e-5 * scale
+        worst[name] = round(float(np.max(err / bound)), 3)
+        bad = np.argwhere(err > bound)
+        assert bad.size == 0, (name, f"{len(bad)} entries past the bound with n = {n[name]}, e.g. at "
+                                     f"{tuple(bad[0])}: {err[tuple(bad[0])]:.3g} > {bound[tuple(bad[0])]:.3g}")
+    print(f"{strategy} {gather} {dtype}: worst |g − g64| / bound {worst}, n {n}")

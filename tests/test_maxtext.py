@@ -915,10 +915,10 @@ def _relative_errors(grads, ref):
 @pytest.mark.tier2
 @pytest.mark.stack
 @pytest.mark.parametrize("overrides", [
-    ("loss=cutce",),
     ("loss=cutce", "logits_via_embedding=true"),
+    # The two gathers whose cross-device sums carry bfloat16 (the ring's carry is float32).
     *[("loss=cutce_pallas", "loss_batch_axes=[data,fsdp]", "loss_fsdp_axis=fsdp", f"loss_fsdp_gather={g}",
-       "logits_via_embedding=true") for g in ("once", "ring", "rows")],
+       "logits_via_embedding=true") for g in ("once", "rows")],
 ])
 def test_maxtext_bfloat16_gradients_are_as_close_to_float32_as_maxtext_own(maxtext, rng, overrides):
     """docs/sharding.md "16-bit gradients", against MaxText: with dtype=bfloat16 (the step MaxText users run),

@@ -808,6 +808,16 @@ def test_maxtext_pyconfig_soft_cap_keys_and_errors(maxtext):
         maxtext.pyconfig.initialize(["", maxtext.base_yml, *TINY, "loss=cutbce"])  # MaxText's own class
 
 
+def _maxtext_batch(cfg, rng):
+    """One MaxText batch of the config's shape: random tokens and targets, about 20 % of the targets padding."""
+    b, t, v = cfg.global_batch_size_to_train_on, cfg.max_target_length, cfg.vocab_size
+    return {"inputs": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
+            "inputs_position": jnp.asarray(np.broadcast_to(np.arange(t), (b, t)), jnp.int32),
+            "inputs_segmentation": jnp.ones((b, t), jnp.int32),
+            "targets": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
+            "targets_segmentation": jnp.asarray(rng.random((b, t)) < 0.8, jnp.int32)}
+
+
 @pytest.mark.tier2
 @pytest.mark.stack
 @pytest.mark.parametrize("overrides", [
@@ -817,12 +827,7 @@ def test_maxtext_pyconfig_soft_cap_keys_and_errors(maxtext):
 def test_maxtext_loss_and_grads_match_bce_of_maxtext_logits(maxtext, rng, overrides):
     cfg = _initialize(maxtext, "num_vocab_tiling=2", *overrides)
     model = maxtext.create(cfg, rngs=nnx.Rngs(params=int(rng.integers(1 << 30)), dropout=1))
-    b, t, v = cfg.global_batch_size_to_train_on, cfg.max_target_length, cfg.vocab_size
-    data = {"inputs": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
-            "inputs_position": jnp.asarray(np.broadcast_to(np.arange(t), (b, t)), jnp.int32),
-            "inputs_segmentation": jnp.ones((b, t), jnp.int32),
-            "targets": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
-            "targets_segmentation": jnp.asarray(rng.random((b, t)) < 0.8, jnp.int32)}
+    data = _maxtext_batch(cfg, rng)
     _, opts = rm.loss_settings(cfg)
 
     def ours(m):
@@ -834,6 +839,7 @@ def test_maxtext_loss_and_grads_match_bce_of_maxtext_logits(maxtext, rng, overri
           decoder_target_tokens=data["targets"], decoder_target_mask=data["targets_segmentation"])
         hidden = nnx.pop(m, nnx.Intermediate).to_pure_dict()["decoder"]["hidden_states"][0]
         x = m.logits_from_hidden_states_for_vocab_tiling(hidden, True, "train").astype(jnp.float32)
+        v = cfg.vocab_size
         y = jax.nn.one_hot(data["targets"], v) * (1 - opts.label_smoothing) + opts.label_smoothing / 2
         ell = (y * opts.pos_weight * jax.nn.softplus(-x) + (1 - y) * jax.nn.softplus(x)).sum(-1) / v
         w = (data["targets_segmentation"] != 0).astype(jnp.float32)
@@ -869,12 +875,7 @@ def test_maxtext_softmax_loss_and_grads_match_maxtext_own_cross_entropy(maxtext,
     cfg = _initialize(maxtext, "num_vocab_tiling=2", *overrides)
     seed = int(rng.integers(1 << 30))
     model = maxtext.create(cfg, rngs=nnx.Rngs(params=seed, dropout=1))
-    b, t, v = cfg.global_batch_size_to_train_on, cfg.max_target_length, cfg.vocab_size
-    data = {"inputs": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
-            "inputs_position": jnp.asarray(np.broadcast_to(np.arange(t), (b, t)), jnp.int32),
-            "inputs_segmentation": jnp.ones((b, t), jnp.int32),
-            "targets": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
-            "targets_segmentation": jnp.asarray(rng.random((b, t)) < 0.8, jnp.int32)}
+    data = _maxtext_batch(cfg, rng)
     own = rm_loss.original_loss_fn(train)
     (loss, aux), grads = nnx.jit(nnx.value_and_grad(lambda m: rm.loss_fn(m, cfg, dict(data), None, None),
                                                     has_aux=True))(model)
@@ -932,12 +933,7 @@ def test_maxtext_bfloat16_gradients_are_as_close_to_float32_as_maxtext_own(maxte
     cfg16 = _initialize(maxtext, "num_vocab_tiling=2", *overrides, "dtype=bfloat16")
     assert cfg16.dtype == jnp.bfloat16 and cfg32.dtype == jnp.float32
     seed = int(rng.integers(1 << 30))
-    b, t, v = cfg32.global_batch_size_to_train_on, cfg32.max_target_length, cfg32.vocab_size
-    data = {"inputs": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
-            "inputs_position": jnp.asarray(np.broadcast_to(np.arange(t), (b, t)), jnp.int32),
-            "inputs_segmentation": jnp.ones((b, t), jnp.int32),
-            "targets": jnp.asarray(rng.integers(1, v, (b, t)), jnp.int32),
-            "targets_segmentation": jnp.asarray(rng.random((b, t)) < 0.8, jnp.int32)}
+    data = _maxtext_batch(cfg32, rng)
     own = rm_loss.original_loss_fn(train)
 
     def grads(cfg, fn):

@@ -46,14 +46,13 @@ class RunTable:
 MAXTEXT_TABLE = "\n".join(
     ".venv312/bin/python -m tools.maxtext_table --json docs/figures/data/maxtext.json --resume " + args
     for args in ("--topologies v6e-8",
-                 "--models qwen3-0.6b --topologies v6e-8 --points 4x2048 --columns tiling8 cutce_pallas "
-                 "--full-depth qwen3-0.6b",
-                 "--models qwen3-0.6b --topologies v6e-8 --points 4x2048 --columns cutce_pallas-once",
-                 "--models qwen3-0.6b gemma-2b llama3.1-8b --topologies v5p-8 --columns maxtext tiling4 tiling8 cutce "
-                 "cutce_pallas",
-                 "--topologies v6e-8 --columns tiling8 cutce_pallas --largest",
+                 "--models qwen3-0.6b --topologies v6e-8 --points 4x2048 --columns tiling8 --full-depth qwen3-0.6b",
+                 "--models qwen3-0.6b gemma-2b llama3.1-8b --topologies v5p-8 --columns maxtext tiling4 tiling8 cutce",
                  "--models qwen3-0.6b gemma-2b llama3.1-8b --topologies v6e-8 v5p-8 --columns tiling4 tiling8 "
-                 "cutce_pallas-auto --full-depth qwen3-0.6b --full-depth-columns tiling8 cutce_pallas-auto"))
+                 "--full-depth qwen3-0.6b --full-depth-columns tiling8",
+                 "--models qwen3-0.6b gemma-2b llama3.1-8b --topologies v6e-8 v5p-8 --columns cutce_pallas-auto "
+                 "cutce_pallas cutce_pallas-rows cutce_pallas-once --full-depth qwen3-0.6b",
+                 "--topologies v6e-8 --columns tiling8 cutce_pallas-auto --largest"))
 
 RUN_TABLES: Dict[str, RunTable] = {
     "input-bench": RunTable(

@@ -293,7 +293,7 @@ def test_16bit_gradients_are_within_the_stated_bound_of_the_float64_oracle(strat
         inputs["hidden"], inputs["table"], inputs["targets"], inputs["weights"], inputs["bias"],
         **{k: v for k, v in opts.items() if k not in ("block_v", "block_n")})
     (u, eta), n = SIXTEEN_BIT[dtype], sixteen_bit_partials(gather, layout)
-    h = np.abs(np.asarray(inputs["hidden"], np.float64)).reshape(-1, 64)
+    h = np.abs(np.asarray(inputs["hidden"], np.float64)).reshape(-1, inputs["hidden"].shape[-1])
     e = np.abs(np.asarray(inputs["table"], np.float64))
     into = {"table": h.sum(0)[None, :], "hidden": e.sum(0).reshape(1, 1, -1), "bias": float(h.shape[0])}
     worst = {}

@@ -269,6 +269,11 @@ CHIP_RECORDS: Dict[str, ChipRecord] = {
     "tpu-v5e-suite-bf16-table": ChipRecord(
         "tpu/v5e-suite-bf16-table.json", "recloss-bench --chip --chip-shapes llm-head-bf16,paper-bf16 --repeats 5 "
         "--json docs/figures/tpu/v5e-suite-bf16-table.json", _chip_formatter("format_table")),
+    # A [D, V] table path for the kernels (`table_layout='DV'`), measured on branch table-layout-dv and not
+    # shipped: the suite's two bf16 shapes with its `[D, V]` rows beside the kernels on [V, D].
+    "tpu-v5e-suite-dv": ChipRecord(
+        "tpu/v5e-suite-dv.json", "git checkout table-layout-dv && recloss-bench --chip --chip-shapes "
+        "llm-head-bf16,paper-bf16 --repeats 5 --json docs/figures/tpu/v5e-suite-dv.json", _chip_formatter("format_table")),
     "tpu-tests-kernels": ChipRecord(
         "tpu/tests-kernels.json", "make test-tpu TPU_PYTHON=python3 TPU_RECORD=docs/figures/tpu/tests-kernels.json "
         "PYTEST_ARGS=\"-k 'rounded_once or sparse_term or cancels or test_bf16 or all_options or odd_shapes'\"",

@@ -150,6 +150,29 @@ def test_grain_kill_9_mid_epoch_then_resume_gives_the_uninterrupted_parameters(g
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_grain_kill_9_with_row_wise_adagrad_then_resume_gives_the_uninterrupted_run(grain_job):
+    """``item_optimizer: rowwise_adagrad`` on the (2, 2, 2) mesh (its accumulators split like the table's
+    rows): killed with SIGKILL after the step-4 checkpoint, resumed, it ends with the parameters, losses
+    and final metrics of the run that was never stopped."""
+    from recloss_plugins.config import load_config
+    from recloss_plugins.sasrec import train as T
+
+    tmp, args, _ = grain_job
+    ada = args + ["item_optimizer=rowwise_adagrad", "item_learning_rate=0.1", "item_adagrad_initial_accumulator=0.01"]
+    ref = T.train(load_config(ada + ["run_name=ada-ref", "enable_checkpointing=false"]), devices=jax.devices()[:8],
+                  log=lambda *a: None)
+    res = _grain_launch(ada + ["run_name=ada-killed"], tmp / "ada-killed", 8, "--kill-at", "4")
+    assert res.returncode == -9, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "step 4/6" in res.stdout and "step 5/6" not in res.stdout
+    resumed = T.train(load_config(ada + ["run_name=ada-killed"]), devices=jax.devices()[:8], log=lambda *a: None)
+    assert sorted(resumed.losses) == [4, 5]
+    for s in resumed.losses:
+        assert resumed.losses[s] == ref.losses[s], s
+    for a, b in zip(jax.tree.leaves(ref.state), jax.tree.leaves(resumed.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert resumed.evals == ref.evals
+
+
 def _grain_launch_processes(args, out, n, d, *extra):
     """The Grain worker as ``n`` processes x ``d`` devices meeting through jax.distributed (launch/local.py)."""
     out.mkdir()

@@ -74,3 +74,34 @@ def test_popularity_top_k_never_returns_padding():
     counts = np.array([100, 5, 9, 9, 0, 7])
     assert E.popularity_top_k(counts, 3).tolist() == [2, 3, 5]    # ties: smaller id first
     assert E.popularity_top_k(counts, 7).tolist() == [2, 3, 5, 1, 4, -1, -1]
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (1, 1, 8), (4, 1, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_sharded_top_k_equals_one_chips_and_never_gathers_the_table(rng, shape, bias):
+    """The table's rows split over vocab × fsdp (users over data): the same scores and ids as
+    `blocked_top_k` on the whole table (ties included: duplicated rows across shards), padding rows
+    never returned, and no collective in the program moves a table-sized array."""
+    import jax
+    import recloss
+    from helpers import make_layout
+
+    u, d, vocab, rows, k = 24, 16, 1000, 1024, 10
+    h = rng.normal(size=(u, d)).astype(np.float32)
+    e = rng.normal(size=(rows, d)).astype(np.float32)
+    e[0] = 10 * h.mean(0)                                   # padding id 0 would win everywhere
+    e[700] = e[100]                                         # a tie across two shards: the smaller id first
+    b = rng.normal(size=rows).astype(np.float32) if bias else None
+    if bias:
+        b[700] = b[100]
+    args = (jnp.asarray(h), jnp.asarray(e), None if b is None else jnp.asarray(b))
+    want = E.blocked_top_k(*args, k=k, block_v=100, vocab_size=vocab)
+    layout = make_layout(shape)
+    fn = jax.jit(lambda h, e, b: E.sharded_top_k(h, e, b, layout=layout, k=k, block_v=100, vocab_size=vocab))
+    got = fn(*args)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert (np.asarray(got[1]) > 0).all() and (np.asarray(got[1]) < vocab).all()
+    hlo = fn.lower(*args).compile().as_text()
+    gathers = [line for line in hlo.splitlines() if "all-gather" in line and "=" in line]
+    assert gathers and all(f"{rows},{d}" not in line and f"{rows // 2},{d}" not in line for line in gathers), gathers

@@ -71,12 +71,20 @@ def test_end_to_end_writes_every_artifact(tmp_path, capsys):
 
 
 # cutbce keeps the program knobs the other tests share (one compile per session); cutce resumes the
-# softmax objective the same way; sampled_softmax also redraws step 5's negatives (key from seed and step).
-@pytest.mark.parametrize("loss", ["cutbce", "cutce", "sampled_softmax"])
+# softmax objective the same way; sampled_softmax also redraws step 5's negatives (key from seed and step);
+# rowwise_adagrad resumes the item tables' per-row accumulators, and a bfloat16 table its rounded rows.
+@pytest.mark.parametrize("loss", ["cutbce", "cutce", "sampled_softmax", "cutbce+rowwise_adagrad",
+                                  "cutbce+rowwise_adagrad+bfloat16"])
 def test_resume_ends_with_the_same_parameters(tmp_path, loss):
+    loss, _, item_optimizer = loss.partition("+")
+    item_optimizer, _, table_dtype = item_optimizer.partition("+")
     common = ["steps=7", "checkpoint_period=2", "log_period=1", f"loss={loss}"]
     if loss == "sampled_softmax":
         common += ["num_negatives=64", "in_batch_negatives=true"]
+    if item_optimizer:
+        common += [f"item_optimizer={item_optimizer}", "item_learning_rate=0.05"]
+    if table_dtype:         # the stochastic rounding's draws are the run's: a resume redraws them
+        common += [f"item_table_dtype={table_dtype}"]
     ds = D.build_dataset(_cfg(tmp_path, *common))
     full = train(_cfg(tmp_path, *common, "run_name=full"), devices=_one_device(), dataset=ds,
                  log=lambda *a: None)

@@ -105,6 +105,11 @@ SCHEMA = {
     "adam_b1": _unit(),
     "adam_b2": _unit(),
     "adam_eps": Key(float, lambda v: v > 0, "a float > 0"),
+    "item_optimizer": Key(str, choices=("adamw", "rowwise_adagrad")),
+    "item_table_dtype": Key(str, choices=("float32", "bfloat16")),
+    "item_learning_rate": Key(float, lambda v: v >= 0, "a float >= 0 (0 = learning_rate)"),
+    "item_adagrad_eps": Key(float, lambda v: v > 0, "a float > 0"),
+    "item_adagrad_initial_accumulator": Key(float, lambda v: v >= 0, "a float >= 0"),
     # loss
     # The strategy is checked against recloss.available_strategies() at load time, and the option
     # values by recloss.LossOptions; an option the strategy's objective does not take must keep its

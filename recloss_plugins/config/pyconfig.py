@@ -220,6 +220,15 @@ def _check_all(cfg: dict, where: dict):
         recloss.get_strategy(cfg["loss"], options)
     except (ValueError, TypeError) as err:  # anything else the strategy refuses
         fail("loss", f"cannot be built with this config's loss options: {err}")
+    if cfg["item_optimizer"] != "rowwise_adagrad":
+        for key, default in (("item_learning_rate", 0.0), ("item_adagrad_eps", 1e-8),
+                             ("item_adagrad_initial_accumulator", 0.0)):
+            if cfg[key] != default:
+                fail(key, f"is a row-wise AdaGrad setting, but item_optimizer={cfg['item_optimizer']!r}: set "
+                          f"item_optimizer=rowwise_adagrad, or leave {key} at {default}")
+    if cfg["item_table_dtype"] != "float32" and cfg["item_optimizer"] != "rowwise_adagrad":
+        fail("item_table_dtype", f"is {cfg['item_table_dtype']!r}, which needs item_optimizer=rowwise_adagrad "
+             f"(AdamW would keep two float32 moments per table entry), got item_optimizer={cfg['item_optimizer']!r}")
     if cfg["emb_dim"] % cfg["num_heads"]:
         fail("num_heads", f"must divide emb_dim={cfg['emb_dim']}, got {cfg['num_heads']}")
     if cfg["global_batch_size"] == 0 and cfg["per_device_batch_size"] == 0:

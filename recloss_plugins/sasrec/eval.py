@@ -1,7 +1,8 @@
 """Full-catalogue ranking evaluation without a [users, V] score matrix.
 
 `blocked_top_k` walks the table in blocks of ``block_v`` rows, keeping a
-running top-K per user: memory O(U·(K + block_v)). `ranking_metrics` turns
+running top-K per user: memory O(U·(K + block_v)). `sharded_top_k` runs it on each chip's rows of a
+table split over a mesh (its vocab and fsdp axes) and merges the chips' top-K: no chip holds the table. `ranking_metrics` turns
 the top-K ids and each user's held-out items into Hit@K, Recall@K and NDCG@K.
 """
 
@@ -20,7 +21,8 @@ def _cdiv(a, b):
 
 
 @functools.partial(jax.jit, static_argnames=("k", "block_v", "vocab_size", "pad_id"))
-def blocked_top_k(hidden, table, bias=None, *, k: int, block_v: int, vocab_size: int, pad_id: int = 0):
+def blocked_top_k(hidden, table, bias=None, *, k: int, block_v: int, vocab_size: int, pad_id: int = 0,
+                  offset=0):
     """Top-K items per row of ``hidden`` over the whole catalogue, in vocab blocks.
 
     Scores are s[u, v] = hidden[u]·table[v] (+ bias[v]), float32. Ids equal to
@@ -31,6 +33,7 @@ def blocked_top_k(hidden, table, bias=None, *, k: int, block_v: int, vocab_size:
     Args:
       hidden: [U, D]. table: [V_rows, D], V_rows >= vocab_size. bias: [V_rows] or None.
       k: K. block_v: table rows per block. vocab_size: real V (ids 0..V-1).
+      offset: the global id of ``table``'s row 0 (an int or a traced int32; a shard of a larger table).
     Returns:
       (scores [U, K] float32 descending, ids [U, K] int32).
     """
@@ -50,7 +53,7 @@ def blocked_top_k(hidden, table, bias=None, *, k: int, block_v: int, vocab_size:
         s = jnp.dot(h, blk.T, preferred_element_type=jnp.float32)
         if bias_blocks is not None:
             s = s + jax.lax.dynamic_index_in_dim(bias_blocks, j, keepdims=False).astype(jnp.float32)[None]
-        ids = j * bv + jnp.arange(bv, dtype=jnp.int32)
+        ids = offset + j * bv + jnp.arange(bv, dtype=jnp.int32)
         ok = (ids != pad_id) & (ids < vocab_size)
         s = jnp.where(ok[None], s, -jnp.inf)
         top_s, top_pos = jax.lax.top_k(s, kb)
@@ -63,6 +66,43 @@ def blocked_top_k(hidden, table, bias=None, *, k: int, block_v: int, vocab_size:
     init = (jnp.full((u, k), -jnp.inf, jnp.float32), jnp.full((u, k), -1, jnp.int32))
     (scores, ids), _ = jax.lax.scan(step, init, jnp.arange(nb))
     return scores, ids
+
+
+def sharded_top_k(hidden, table, bias, *, layout, k: int, block_v: int, vocab_size: int, pad_id: int = 0):
+    """`blocked_top_k` of a table whose rows are split over ``layout``'s table axes (vocab, fsdp; a
+    `recloss.MeshLayout`), without gathering it: each chip ranks its own rows for its share of the
+    users, the chips of one table copy exchange their K candidates per user (an all-gather of
+    [U, K] scores and ids), and the merge keeps the first K (ties to the smaller id, as one chip would).
+
+    hidden [U, D] (users split over the mesh axes that do not split the table), table [V_rows, D],
+    bias [V_rows] or None. Returns (scores [U, K], ids [U, K]) as `blocked_top_k`.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    table_axes = tuple(a for a in layout.table_axes if layout.axis_size(a) > 1)
+    if not table_axes:
+        return blocked_top_k(hidden, table, bias, k=k, block_v=block_v, vocab_size=vocab_size, pad_id=pad_id)
+    mesh = layout.mesh
+    users = tuple(a for a in mesh.axis_names if a not in table_axes and layout.axis_size(a) > 1)
+    users = users if hidden.shape[0] % max(1, int(np.prod([layout.axis_size(a) for a in users]))) == 0 else ()
+    u_spec = P(users or None, None)
+    rows = table.shape[0] // int(np.prod([layout.axis_size(a) for a in table_axes]))
+
+    def local(h, e, b):
+        index = 0
+        for a in table_axes:                      # the row split's order: the first axis is the major one
+            index = index * layout.axis_size(a) + jax.lax.axis_index(a)
+        s, i = blocked_top_k(h, e, b, k=k, block_v=block_v, vocab_size=vocab_size, pad_id=pad_id,
+                             offset=index * rows)
+        s = jax.lax.all_gather(s, table_axes, axis=1, tiled=True)      # [U_local, shards·K], shard order
+        i = jax.lax.all_gather(i, table_axes, axis=1, tiled=True)
+        top, pos = jax.lax.top_k(s, k)
+        return top, jnp.take_along_axis(i, pos, axis=1)
+
+    t = table_axes[0] if len(table_axes) == 1 else table_axes
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(u_spec, P(t, None), None if bias is None else P(t)),
+                   out_specs=(u_spec, u_spec), check_vma=False)
+    return fn(hidden, table, bias)
 
 
 def ranking_metrics(top_ids, targets, *, pad_id: int = 0) -> Dict[str, jax.Array]:

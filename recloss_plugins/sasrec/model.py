@@ -70,7 +70,9 @@ class SASRec(nnx.Module):
         id 0 = padding).
       max_seq_len: N (learned positions). emb_dim: D. num_layers, num_heads,
         mlp_dim, dropout: backbone sizes.
-      dtype: compute dtype (parameters are float32).
+      dtype: compute dtype (parameters are float32, but the item tables).
+      table_dtype: the item tables' parameter dtype (float32, or bfloat16: half the table's HBM; the
+        trainer rounds their updates stochastically, `optim.stochastic_round`).
       untie_embeddings: separate output table instead of the input embedding.
       use_output_bias: a learned [V] logit bias, initialised to
         ``output_bias_init`` (e.g. the base-rate logit log(p/(1-p)), p = L/V, so
@@ -81,17 +83,17 @@ class SASRec(nnx.Module):
     def __init__(self, *, vocab_rows: int, max_seq_len: int, emb_dim: int, num_layers: int,
                  num_heads: int, mlp_dim: int, dropout: float = 0.0, dtype=jnp.float32,
                  untie_embeddings: bool = False, use_output_bias: bool = False, output_bias_init: float = 0.0,
-                 rngs: nnx.Rngs):
+                 table_dtype=jnp.float32, rngs: nnx.Rngs):
         if emb_dim % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide emb_dim={emb_dim}")
         init = nnx.initializers.normal(0.02)
         self.dtype, self.dropout = dtype, dropout
-        self.item_emb = nnx.Embed(vocab_rows, emb_dim, embedding_init=init, rngs=rngs)
+        self.item_emb = nnx.Embed(vocab_rows, emb_dim, embedding_init=init, param_dtype=table_dtype, rngs=rngs)
         self.pos_emb = nnx.Embed(max_seq_len, emb_dim, embedding_init=init, rngs=rngs)
         self.blocks = nnx.List([Block(emb_dim, num_heads, mlp_dim, dropout, num_layers, dtype, rngs=rngs)
                                 for _ in range(num_layers)])
         self.ln_f = nnx.LayerNorm(emb_dim, epsilon=1e-5, dtype=dtype, rngs=rngs)
-        self.out_table = (nnx.Param(init(rngs.params(), (vocab_rows, emb_dim), jnp.float32))
+        self.out_table = (nnx.Param(init(rngs.params(), (vocab_rows, emb_dim), table_dtype))
                           if untie_embeddings else None)
         self.out_bias = nnx.Param(jnp.full((vocab_rows,), output_bias_init, jnp.float32)) if use_output_bias else None
 
@@ -127,7 +129,7 @@ class SASRec(nnx.Module):
         return self.ln_f(x)
 
     def output_table(self):
-        """[V, D] float32 table of the logits x = A·tableᵀ (+ bias)."""
+        """[V, D] table (its parameter dtype) of the logits x = A·tableᵀ (+ bias)."""
         return self.item_emb.embedding[...] if self.out_table is None else self.out_table[...]
 
     def output_bias(self):

@@ -123,12 +123,21 @@ def param_specs(params, layout: recloss.MeshLayout, specs: recloss.Specs):
 
 
 def opt_state_specs(tx, opt_state_shapes, p_specs):
-    """Specs of an optax state: per-parameter leaves mirror ``p_specs``; the rest replicated."""
-    import optax
+    """Specs of an optax state: a leaf that belongs to a parameter (its key path ends with the
+    parameter's) takes the parameter's spec, cut to the leaf's rank (row-wise AdaGrad's [rows]
+    accumulator of a [rows, D] table is split like the table's rows); the rest (counts) replicated.
+    ``tx`` is not read: the paths say it all, through any nesting (chain, multi_transform's masks)."""
+    del tx
+    by_path = {}
+    jax.tree_util.tree_map_with_path(lambda path, spec: by_path.__setitem__(path_names(path), spec), p_specs,
+                                     is_leaf=lambda x: isinstance(x, P))
 
-    return optax.tree_map_params(tx, lambda _, spec: spec, opt_state_shapes, p_specs,
-                                 transform_non_params=lambda _: P(),
-                                 is_leaf=lambda x: isinstance(x, P))
+    def rule(path, leaf):
+        names = path_names(path)
+        spec = next((by_path[names[i:]] for i in range(len(names)) if names[i:] in by_path), P())
+        return P(*spec[:leaf.ndim]) if len(spec) > leaf.ndim else spec
+
+    return jax.tree_util.tree_map_with_path(rule, opt_state_shapes)
 
 
 def named(mesh: Mesh, spec_tree):

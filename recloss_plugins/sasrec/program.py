@@ -39,8 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import recloss
 from recloss_plugins.config import SCHEMA, loss_options
-from recloss_plugins.sasrec import parallel
-from recloss_plugins.sasrec.eval import blocked_top_k
+from recloss_plugins.sasrec import optim, parallel
+from recloss_plugins.sasrec.eval import sharded_top_k
 from recloss_plugins.sasrec.model import SASRec, compute_dtype, tied_lookup
 
 
@@ -74,6 +74,8 @@ def pinned_random():
 
 # Tags the negatives' key stream apart from the parameter and dropout streams of the same seed.
 _NEGATIVES_TAG = 0x73616D70
+# Tags the stochastic rounding of 16-bit parameters apart from the step's dropout draw.
+_ROUNDING_TAG = 0x726F756E
 
 
 def negatives_key(seed: int, step):
@@ -122,7 +124,8 @@ def make_model(cfg, rows: int, rngs: nnx.Rngs, vocab_size: Optional[int] = None)
     return SASRec(output_bias_init=bias0, vocab_rows=rows, max_seq_len=cfg.max_seq_len, emb_dim=cfg.emb_dim,
                   num_layers=cfg.num_layers, num_heads=cfg.num_heads, mlp_dim=cfg.mlp_dim,
                   dropout=cfg.dropout, dtype=compute_dtype(cfg.dtype),
-                  untie_embeddings=cfg.untie_embeddings, use_output_bias=cfg.use_output_bias, rngs=rngs)
+                  untie_embeddings=cfg.untie_embeddings, use_output_bias=cfg.use_output_bias,
+                  table_dtype=compute_dtype(cfg.item_table_dtype), rngs=rngs)
 
 
 def learning_rate_schedule(cfg) -> optax.Schedule:
@@ -135,13 +138,10 @@ def learning_rate_schedule(cfg) -> optax.Schedule:
 
 
 def make_optimizer(cfg):
-    """(optax transform, schedule): global-norm clipping, then AdamW (decay on matrices only)."""
+    """(optax transform, schedule): global-norm clipping, then AdamW (decay on matrices only), with the
+    item tables on row-wise AdaGrad under ``item_optimizer: rowwise_adagrad`` (`optim.make_optimizer`)."""
     schedule = learning_rate_schedule(cfg)
-    adamw = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                        weight_decay=cfg.weight_decay,
-                        mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params))
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
-    return tx, schedule
+    return optim.make_optimizer(cfg, schedule, parallel.path_names), schedule
 
 
 def global_batch_size(cfg, layout: recloss.MeshLayout, num_devices: int) -> int:
@@ -298,7 +298,9 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
         model = nnx.merge(graphdef, params)
         hidden = model(batch["inputs"], rng=rng, keep=keep, item_vectors=vectors)
         extra = {} if not sampled else dict(sampled, key=negatives_key(seed, step))
-        out = strategy(hidden, model.output_table().astype(cdtype), batch["targets"], batch["weights"],
+        table = model.output_table()     # narrowed to the compute dtype, never widened (a bf16 table stays)
+        table = table.astype(cdtype) if table.dtype.itemsize > jnp.dtype(cdtype).itemsize else table
+        out = strategy(hidden, table, batch["targets"], batch["weights"],
                        model.output_bias(), layout=layout if manual is None else manual, **extra)
         return out.loss, out.metrics
 
@@ -309,8 +311,8 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
         return loss, mets, jax.tree.map(lambda g: recloss.psum_in_place(g, manual.batch_axes), grads)
 
     def train_step(state, batch):
-        key = jax.random.fold_in(wrap_key(state["rng"]), state["step"])
-        key = key if cfg.dropout > 0 else None
+        key_of_step = jax.random.fold_in(wrap_key(state["rng"]), state["step"])
+        key = key_of_step if cfg.dropout > 0 else None
         if manual is None:
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
             (loss, mets), grads = grad_fn(state["params"], batch, state["step"], rng=key)
@@ -324,7 +326,7 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
         gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        params = optim.apply_updates(state["params"], updates, jax.random.fold_in(key_of_step, _ROUNDING_TAG))
         # A non-finite step leaves the state as it was; the host stops the run on seeing `finite`.
         keep = lambda new, old: jnp.where(finite, new, old)
         new_state = {"params": jax.tree.map(keep, params, state["params"]),
@@ -341,11 +343,9 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
         model = nnx.merge(graphdef, params)
         hidden = model(inputs)
         last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        table = jax.lax.with_sharding_constraint(model.output_table(), replicated)
-        bias = model.output_bias()
-        if bias is not None:
-            bias = jax.lax.with_sharding_constraint(bias, replicated)
-        return blocked_top_k(last, table, bias, k=k, block_v=cfg.eval_block_v, vocab_size=vocab_size)
+        # The table stays split as it is stored (its rows over vocab × fsdp): each chip ranks its rows.
+        return sharded_top_k(last, model.output_table(), model.output_bias(), layout=layout, k=k,
+                             block_v=cfg.eval_block_v, vocab_size=vocab_size)
 
     eval_in = (state_sh["params"], NamedSharding(mesh, layout.batch_spec(2)), NamedSharding(mesh, layout.batch_spec(1)))
     return Program(

@@ -491,6 +491,11 @@ POD_TABLES: Dict[str, PodTable] = {
         PodRow("v5e-256 V=1e8, vocab 64", ("V = 10^8", "data 4 × vocab 64"),
                ("loss=cutbce_pallas", *_V5E, "vocab_size=100000000", "ici_data_parallelism=4",
                 "ici_vocab_parallelism=64"), pinned=True),
+        # configs/sasrec_billion.yml: the table in bfloat16 on row-wise AdaGrad, over all 256 chips.
+        PodRow("v5e-256 V=1e9, vocab 256", ("V = 10^9, bfloat16 table, row-wise AdaGrad", "vocab 256"),
+               ("loss=cutbce_pallas", *_V5E, "vocab_size=1000000000", "ici_data_parallelism=1",
+                "ici_vocab_parallelism=256", "item_optimizer=rowwise_adagrad", "item_learning_rate=0.03",
+                "item_table_dtype=bfloat16"), pinned=True),
     )),
 }
 

@@ -4,9 +4,11 @@
 
 Builds the mesh on the topology's devices (libtpu describes them; no TPU
 needed), lowers and compiles the full train step (forward, loss, backward,
-AdamW update) with the run's shardings, and prints the per-chip memory of the
-compiled program and its five largest buffers with the HLO op that owns each
-(`recloss.aot`), so an OOM says what to change. With
+optimizer update) with the run's shardings, and prints the per-chip memory of the
+compiled program (memory_analysis, and XLA's own count: what the chip enforces)
+and its five largest buffers with the HLO op that owns each (`recloss.aot`), so
+an OOM says what to change; then the same for the evaluation program (one batch
+of eval_batch_size users ranked against the whole catalogue). With
 ``compile_fit_hbm_gib`` > 0 it also finds the largest global batch (a multiple
 of the batch shards) whose step fits that budget.
 """
@@ -42,6 +44,23 @@ def compile_step(cfg, devices, vocab: int, batch_size: Optional[int] = None, dum
     options = None if dump_to is None else aot.dump_options(dump_to)
     compiled = lowered.compile(compiler_options=options)
     return compiled, aot.memory_report(compiled), program
+
+
+def compile_eval(program, dump_to: Optional[str] = None):
+    """(compiled evaluation program, memory report dict): `Program.eval_top_k` for one batch of
+    ``eval_batch_size`` users (rounded up to the batch shards) with the run's parameter shardings."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg, layout = program.cfg, program.layout
+    users = -(-cfg.eval_batch_size // layout.batch_shards) * layout.batch_shards
+    sharded = lambda ndim: jax.sharding.NamedSharding(program.mesh, layout.batch_spec(ndim))
+    args = (program.abstract_state["params"],
+            jax.ShapeDtypeStruct((users, cfg.max_seq_len), jnp.int32, sharding=sharded(2)),
+            jax.ShapeDtypeStruct((users,), jnp.int32, sharding=sharded(1)))
+    options = None if dump_to is None else aot.dump_options(dump_to)
+    compiled = program.eval_top_k.lower(*args).compile(compiler_options=options)
+    return compiled, aot.memory_report(compiled)
 
 
 def compile_oom(err: Exception) -> Optional[str]:
@@ -128,6 +147,7 @@ def compile_report(cfg, log=print) -> Dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="recloss-aot-") as dump:
         compiled, rep, program = compile_step(cfg, devices, vocab, dump_to=dump)
         top = aot.read(dump)
+        xla = aot.hbm_bytes(dump)
     gib = rep.get("total", float("nan")) / 2**30
     log(f"compiled the train step for {cfg.compile_topology} ({len(devices)} chips, "
         f"{devices[0].device_kind}) in {time.perf_counter() - t0:.1f}s: loss={cfg.loss}, mesh "
@@ -136,9 +156,17 @@ def compile_report(cfg, log=print) -> Dict[str, object]:
     log(parallel.describe_model_split(program.layout, program.model_batch_axes, program.batch_size))
     if program.gather is not None:
         log(program.gather.describe())
-    log(f"per-chip HBM: {aot.format_memory(rep)}")
+    log(f"per-chip HBM: {aot.format_memory(rep)}; XLA's count {xla / 2**30:.3f} GiB")
     log(aot.report(top, top=5))
-    out = {"total_gib": gib, "memory": rep, "global_batch_size": program.batch_size, "buffers": top}
+    t1 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="recloss-aot-eval-") as dump:
+        _, eval_rep = compile_eval(program, dump_to=dump)
+        eval_xla = aot.hbm_bytes(dump)
+    log(f"compiled the evaluation ({program.cfg.eval_batch_size} users a batch, top-{cfg.eval_top_k} of {vocab - 1:,} "
+        f"items) in {time.perf_counter() - t1:.1f}s; per-chip HBM: {aot.format_memory(eval_rep)}; XLA's count "
+        f"{eval_xla / 2**30:.3f} GiB")
+    out = {"total_gib": gib, "memory": rep, "xla_bytes": xla, "global_batch_size": program.batch_size,
+           "buffers": top, "eval_memory": eval_rep, "eval_xla_bytes": eval_xla}
     if cfg.compile_fit_hbm_gib > 0:
         budget = cfg.compile_fit_hbm_gib * 2**30
         seen = {}

@@ -40,31 +40,39 @@ def blocked_top_k(hidden, table, bias=None, *, k: int, block_v: int, vocab_size:
     u, d = hidden.shape
     rows = table.shape[0]
     bv = max(1, min(block_v, rows))
-    nb = _cdiv(rows, bv)
-    pad = nb * bv - rows
-    blocks = jnp.pad(table, ((0, pad), (0, 0))).reshape(nb, bv, d)
-    bias_blocks = None if bias is None else jnp.pad(bias, (0, pad)).reshape(nb, bv)
-    h = hidden.astype(jnp.float32)
+    nb, tail = divmod(rows, bv)
     kb = min(k, bv)
+    h = hidden.astype(jnp.float32)
 
-    def step(carry, j):
+    def merge(carry, blk, b_blk, start):
+        """The running top-K merged with the [bv, D] block of rows ``start`` … (rows past the table: padding)."""
         best_s, best_i = carry
-        blk = jax.lax.dynamic_index_in_dim(blocks, j, keepdims=False).astype(jnp.float32)
-        s = jnp.dot(h, blk.T, preferred_element_type=jnp.float32)
-        if bias_blocks is not None:
-            s = s + jax.lax.dynamic_index_in_dim(bias_blocks, j, keepdims=False).astype(jnp.float32)[None]
-        ids = offset + j * bv + jnp.arange(bv, dtype=jnp.int32)
-        ok = (ids != pad_id) & (ids < vocab_size)
+        n = blk.shape[0]
+        s = jnp.dot(h, blk.astype(jnp.float32).T, preferred_element_type=jnp.float32)
+        if b_blk is not None:
+            s = s + b_blk.astype(jnp.float32)[None]
+        ids = offset + start + jnp.arange(n, dtype=jnp.int32)
+        ok = (ids != pad_id) & (ids < vocab_size) & (ids < offset + rows)
         s = jnp.where(ok[None], s, -jnp.inf)
         top_s, top_pos = jax.lax.top_k(s, kb)
         top_i = jnp.where(jnp.isfinite(top_s), ids[top_pos], -1)
         all_s = jnp.concatenate([best_s, top_s], axis=1)
         all_i = jnp.concatenate([best_i, top_i], axis=1)
         new_s, pos = jax.lax.top_k(all_s, k)
-        return (new_s, jnp.take_along_axis(all_i, pos, axis=1)), None
+        return new_s, jnp.take_along_axis(all_i, pos, axis=1)
 
-    init = (jnp.full((u, k), -jnp.inf, jnp.float32), jnp.full((u, k), -1, jnp.int32))
-    (scores, ids), _ = jax.lax.scan(step, init, jnp.arange(nb))
+    def step(carry, j):
+        start = j * bv
+        blk = jax.lax.dynamic_slice_in_dim(table, start, bv)
+        b_blk = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, bv)
+        return merge(carry, blk, b_blk, start), None
+
+    carry = (jnp.full((u, k), -jnp.inf, jnp.float32), jnp.full((u, k), -1, jnp.int32))
+    carry, _ = jax.lax.scan(step, carry, jnp.arange(nb))
+    if tail:   # the rows past the last whole block, padded to one block (a copy of < bv rows, not the table's)
+        pad = lambda x: jnp.pad(x[nb * bv:], ((0, bv - tail),) + ((0, 0),) * (x.ndim - 1))
+        carry = merge(carry, pad(table), None if bias is None else pad(bias), nb * bv)
+    scores, ids = carry
     return scores, ids
 
 

@@ -108,12 +108,12 @@ def test_the_update_matches_a_float64_reference(extra, rng):
 def test_row_wise_state_is_split_like_the_table_rows():
     """On a (2, 2, 2) mesh the accumulators take the table's row split (vocab × fsdp), AdamW's moments
     the parameters' own specs."""
-    tx = optim.make_optimizer(_cfg("item_optimizer=rowwise_adagrad"), lambda c: 0.01, parallel.path_names)
+    tx = optim.make_optimizer(_cfg("item_optimizer=rowwise_adagrad"), lambda c: 0.01)
     shapes = jax.eval_shape(lambda: _params(np.random.default_rng(0)))
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), shapes)
     t = ("vocab", "fsdp")
     p_specs = {"item_emb": {"embedding": P(t, None)}, "out_bias": P(t), "blocks": {"w": P("fsdp", None), "b": P()}}
-    specs = parallel.opt_state_specs(tx, jax.eval_shape(tx.init, shapes), p_specs)
+    specs = parallel.opt_state_specs(jax.eval_shape(tx.init, shapes), p_specs)
     leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
     by = {"/".join(map(str, parallel.path_names(path))): s for path, s in leaves}
     acc = {k: s for k, s in by.items() if "accumulator" in k}

@@ -9,6 +9,7 @@ experiment files start with ``base_config: base.yml``).
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 from pathlib import Path
@@ -199,6 +200,13 @@ def _parse_override_value(key: str, text: str):
 
 
 # ----------------------------------------------------------------------------- cross-key checks
+@functools.lru_cache(maxsize=None)
+def _base_default(key: str):
+    """``key``'s value in the shipped base config (`default_config_path`), coerced."""
+    value, where = _load_chain(default_config_path())[key]
+    return coerce(key, value, where)
+
+
 def _check_all(cfg: dict, where: dict):
     import recloss
 
@@ -221,8 +229,8 @@ def _check_all(cfg: dict, where: dict):
     except (ValueError, TypeError) as err:  # anything else the strategy refuses
         fail("loss", f"cannot be built with this config's loss options: {err}")
     if cfg["item_optimizer"] != "rowwise_adagrad":
-        for key, default in (("item_learning_rate", 0.0), ("item_adagrad_eps", 1e-8),
-                             ("item_adagrad_initial_accumulator", 0.0)):
+        for key in ("item_learning_rate", "item_adagrad_eps", "item_adagrad_initial_accumulator"):
+            default = _base_default(key)
             if cfg[key] != default:
                 fail(key, f"is a row-wise AdaGrad setting, but item_optimizer={cfg['item_optimizer']!r}: set "
                           f"item_optimizer=rowwise_adagrad, or leave {key} at {default}")

@@ -24,6 +24,7 @@ from typing import Callable, Dict, Optional
 from recloss import aot
 from recloss_plugins.config import dump_config
 from recloss_plugins.sasrec import parallel
+from recloss_plugins.sasrec.eval import eval_batch_rows
 from recloss_plugins.sasrec.program import build_program
 
 
@@ -53,7 +54,7 @@ def compile_eval(program, dump_to: Optional[str] = None):
     import jax.numpy as jnp
 
     cfg, layout = program.cfg, program.layout
-    users = -(-cfg.eval_batch_size // layout.batch_shards) * layout.batch_shards
+    users = eval_batch_rows(cfg.eval_batch_size, layout.batch_shards)
     sharded = lambda ndim: jax.sharding.NamedSharding(program.mesh, layout.batch_spec(ndim))
     args = (program.abstract_state["params"],
             jax.ShapeDtypeStruct((users, cfg.max_seq_len), jnp.int32, sharding=sharded(2)),
@@ -162,7 +163,7 @@ def compile_report(cfg, log=print) -> Dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="recloss-aot-eval-") as dump:
         _, eval_rep = compile_eval(program, dump_to=dump)
         eval_xla = aot.hbm_bytes(dump)
-    log(f"compiled the evaluation ({program.cfg.eval_batch_size} users a batch, top-{cfg.eval_top_k} of {vocab - 1:,} "
+    log(f"compiled the evaluation ({eval_batch_rows(cfg.eval_batch_size, program.layout.batch_shards)} users a batch, top-{cfg.eval_top_k} of {vocab - 1:,} "
         f"items) in {time.perf_counter() - t1:.1f}s; per-chip HBM: {aot.format_memory(eval_rep)}; XLA's count "
         f"{eval_xla / 2**30:.3f} GiB")
     out = {"total_gib": gib, "memory": rep, "xla_bytes": xla, "global_batch_size": program.batch_size,

@@ -16,10 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 @functools.partial(jax.jit, static_argnames=("k", "block_v", "vocab_size", "pad_id"))
 def blocked_top_k(hidden, table, bias=None, *, k: int, block_v: int, vocab_size: int, pad_id: int = 0,
                   offset=0):
@@ -113,6 +109,11 @@ def sharded_top_k(hidden, table, bias, *, layout, k: int, block_v: int, vocab_si
     return fn(hidden, table, bias)
 
 
+def eval_batch_rows(eval_batch_size: int, batch_shards: int) -> int:
+    """Users in one global evaluation batch: ``eval_batch_size`` rounded up to the batch shards."""
+    return -(-eval_batch_size // batch_shards) * batch_shards
+
+
 def ranking_metrics(top_ids, targets, *, pad_id: int = 0) -> Dict[str, jax.Array]:
     """Per-user Hit@K, Recall@K, NDCG@K.
 
@@ -194,8 +195,7 @@ def evaluate(program, params, split, *, max_users: int = 0, popularity_counts=No
 
     cfg, k = program.cfg, program.cfg.eval_top_k
     P_ = jax.process_count()
-    shards = program.layout.batch_shards
-    bs = -(-cfg.eval_batch_size // shards) * shards
+    bs = eval_batch_rows(cfg.eval_batch_size, program.layout.batch_shards)
     in_sh = jax.sharding.NamedSharding(program.mesh, program.layout.batch_spec(2))
     len_sh = jax.sharding.NamedSharding(program.mesh, program.layout.batch_spec(1))
     if replicated:

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from recloss_plugins.sasrec.parallel import path_names
+
 #: ``item_optimizer``'s values.
 ITEM_OPTIMIZERS = ("adamw", "rowwise_adagrad")
 # The parameters ``item_optimizer`` applies to: the item tables and the per-item bias (their paths).
@@ -71,10 +73,10 @@ def is_item_param(names: tuple) -> bool:
     return names in ITEM_PARAMS
 
 
-def make_optimizer(cfg, schedule, path_names) -> optax.GradientTransformation:
+def make_optimizer(cfg, schedule) -> optax.GradientTransformation:
     """clip_by_global_norm(grad_clip) (when > 0), then AdamW with ``schedule`` (decay on matrices), or with
     ``item_optimizer: rowwise_adagrad`` AdamW for the dense parameters and `rowwise_adagrad` for
-    `ITEM_PARAMS`. ``path_names``: a key path → its names (`parallel.path_names`)."""
+    `ITEM_PARAMS`."""
     decayed = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
     adamw = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
                         weight_decay=cfg.weight_decay, mask=decayed)
@@ -92,12 +94,10 @@ def make_optimizer(cfg, schedule, path_names) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), inner) if cfg.grad_clip > 0 else inner
 
 
-def stochastic_round(x, key, dtype=jnp.bfloat16):
+def stochastic_round(x, key):
     """float32 ``x`` rounded to bfloat16 up or down at random, with the chance of rounding up the
     fraction of the way to the upper neighbour: E[round(x)] = x. (Adds 16 random bits below bfloat16's
-    mantissa, then truncates them.) Other dtypes: round to nearest."""
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        return x.astype(dtype)
+    mantissa, then truncates them.)"""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
     rounded = (bits + noise) & jnp.uint32(0xFFFF0000)

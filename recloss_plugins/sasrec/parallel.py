@@ -122,12 +122,11 @@ def param_specs(params, layout: recloss.MeshLayout, specs: recloss.Specs):
     return jax.tree_util.tree_map_with_path(rule, params)
 
 
-def opt_state_specs(tx, opt_state_shapes, p_specs):
+def opt_state_specs(opt_state_shapes, p_specs):
     """Specs of an optax state: a leaf that belongs to a parameter (its key path ends with the
     parameter's) takes the parameter's spec, cut to the leaf's rank (row-wise AdaGrad's [rows]
     accumulator of a [rows, D] table is split like the table's rows); the rest (counts) replicated.
-    ``tx`` is not read: the paths say it all, through any nesting (chain, multi_transform's masks)."""
-    del tx
+    The paths say it all, through any nesting of transformations (chain, multi_transform's masks)."""
     by_path = {}
     jax.tree_util.tree_map_with_path(lambda path, spec: by_path.__setitem__(path_names(path), spec), p_specs,
                                      is_leaf=lambda x: isinstance(x, P))

@@ -141,7 +141,7 @@ def make_optimizer(cfg):
     """(optax transform, schedule): global-norm clipping, then AdamW (decay on matrices only), with the
     item tables on row-wise AdaGrad under ``item_optimizer: rowwise_adagrad`` (`optim.make_optimizer`)."""
     schedule = learning_rate_schedule(cfg)
-    return optim.make_optimizer(cfg, schedule, parallel.path_names), schedule
+    return optim.make_optimizer(cfg, schedule), schedule
 
 
 def global_batch_size(cfg, layout: recloss.MeshLayout, num_devices: int) -> int:
@@ -272,7 +272,7 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
     with pinned_random():
         shapes = jax.eval_shape(init)
     p_specs = parallel.param_specs(shapes["params"], layout, specs)
-    state_specs = {"params": p_specs, "opt_state": parallel.opt_state_specs(tx, shapes["opt_state"], p_specs),
+    state_specs = {"params": p_specs, "opt_state": parallel.opt_state_specs(shapes["opt_state"], p_specs),
                    "step": P(), "rng": P()}
     state_sh = parallel.named(mesh, state_specs)
     abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

@@ -268,7 +268,7 @@ def oracle_of(strategy, inputs, **opts):
     if obj == "softmax":
         return softmax_oracle(**args, vocab_size=V, **opts)
     s = recloss.get_strategy(strategy, vocab_size=V, **SAMPLED)
-    neg = s.draw_negatives(jax.random.key(7), sampler.proposal(None, rows=ROWS, vocab_size=V), vocab_size=V)
+    neg = s.draw_negatives(jax.random.key(7), None, vocab_size=V)
     return sampled_oracle(**args, negatives=np.asarray(neg), strategy=strategy, vocab_size=V, **SAMPLED, **opts)
 
 

@@ -26,6 +26,10 @@ from recloss.softmax.partition import NEG
 def candidate_logits(hidden, ids, shard):
     """x[m, c] = hidden[m]·table[ids[c]] + bias[ids[c]] for global ids [C] shared by all rows.
 
+    Each vocab shard contributes the rows it owns and the shards' [C, D] parts are summed, so every
+    shard holds the C candidate rows and computes the whole [M, C] product: the collective moves C·D
+    values, not M·C (docs/design.md "The sampled objective").
+
     Args: hidden [M, D], ids [C] int32 global ids (an id no shard owns, e.g. −1, gives 0), shard:
     the `recloss.shard.VocabShard` (table [V_local, D] from global id ``shard.offset``, bias, and
     the sum over the vocab shards' parts). Returns [M, C] float32, differentiable in hidden, table,
@@ -35,11 +39,12 @@ def candidate_logits(hidden, ids, shard):
     local = ids - shard.offset
     own = (local >= 0) & (local < table.shape[0])
     local = jnp.where(own, local, 0)
-    rows = jnp.take(table, local, axis=0)                                     # [C, D]
+    rows = shard.vocab_sum(jnp.where(own[:, None], jnp.take(table, local, axis=0), 0))        # [C, D]
     x = jnp.dot(hidden, rows.T, preferred_element_type=jnp.float32)
     if bias is not None:
-        x = x + jnp.take(bias, local, axis=0).astype(jnp.float32)[None, :]
-    return shard.vocab_sum(jnp.where(own[None, :], x, 0.0))
+        b = shard.vocab_sum(jnp.where(own, jnp.take(bias, local, axis=0), 0))
+        x = x + b.astype(jnp.float32)[None, :]
+    return x
 
 
 def hits(target_ids, valid, ids):

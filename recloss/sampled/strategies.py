@@ -1,7 +1,7 @@
 """The sampled strategies: `sampled_softmax` (logQ-corrected sampled softmax) and `gbce` (gSASRec's gBCE).
 
-Both draw K negative ids once per call from the key (`prepare`, outside any
-shard_map, so every shard sees the same ids), share them between all
+Both draw K negative ids once per call from the key, on every vocab shard alike from the shards'
+parts of the proposal (`recloss.sampled.sampler`: no [V] array on any chip), share them between all
 positions (one [M, K] product) and cost O(M·(K + L)·D); nothing of size M·V.
 They differ only in the per-row math of `recloss.sampled.candidates`.
 """
@@ -29,31 +29,33 @@ class SampledStrategy(Strategy):
     entry_point = "recloss.sampled_loss"
     options_supported = SAMPLED_OPTIONS
 
-    def draw_negatives(self, key, log_q, *, vocab_size: int):
-        """The negative ids [K] int32 of one call, drawn with replacement from q = exp(log_q [V]).
+    def draw_negatives(self, key, log_q, *, vocab_size: int, shard=None):
+        """The negative ids [K] int32 of one call, drawn with replacement from q ∝ exp(log_q), the
+        same on every shard: ``log_q`` this shard's [V_local] weights (`sampler.masked`; the whole
+        [rows] with ``shard`` None) or None (uniform over the V ids).
 
         The one place ids are drawn: a test may override it (e.g. to enumerate the catalogue)."""
         k = self.options.num_negatives
         if k > vocab_size:
             raise ValueError(f"num_negatives={k} exceeds the vocabulary size V={vocab_size}: expected "
                              f"1 <= num_negatives <= {vocab_size}")
-        return sampler.draw(key, log_q, k)
+        return sampler.draw(key, log_q, k, vocab_size=vocab_size, shard=shard)
 
     def prepare(self, targets, *, rows, vocab_size, key=None, log_q=None, **inputs):
-        """Draws the negatives; the proposal and, with in-batch negatives, the batch's targets.
+        """Checks the key and lays the proposal out; with in-batch negatives, the batch's targets.
 
-        Returns {"neg": [K] int32, "log_q": [V] f32 normalised, and with ``in_batch_negatives``
-        "cand": [M·L] int32 (−1 = not a candidate), "cand_count": f32 scalar}, every one replicated
-        over the mesh (`extra_specs`). The log q of each candidate and target is gathered inside
-        `local_loss` from "log_q", on each shard's own rows: nothing here indexes a sharded array.
+        Returns {"key": the key, "log_q": [rows] f32 (`sampler.masked`; absent when uniform), and with
+        ``in_batch_negatives`` "cand": [M·L] int32 (−1 = not a candidate), "cand_count": f32 scalar}.
+        ``log_q`` is split over the vocab axis like the table's rows (`extra_specs`); the rest is
+        replicated. The negatives are drawn in `local_loss`, where each shard holds its proposal rows.
         """
         if inputs:
             raise TypeError(f"strategy {self.name!r} got unexpected argument(s) {sorted(inputs)}; "
                             "it takes key= and log_q=")
-        key = sampler.check_key(key)
-        lq = jax.lax.stop_gradient(sampler.proposal(log_q, rows=rows, vocab_size=vocab_size))
-        neg = self.draw_negatives(key, lq, vocab_size=vocab_size).astype(jnp.int32)
-        extras = {"neg": neg, "log_q": lq}
+        extras = {"key": sampler.check_key(key)}
+        lq = sampler.masked(log_q, rows=rows, vocab_size=vocab_size)
+        if lq is not None:
+            extras["log_q"] = jax.lax.stop_gradient(lq)
         if self.options.in_batch_negatives:
             gids, gvalid = targets_lib.valid_targets(targets, self.options.pad_id, vocab_size)
             extras.update(cand=jnp.where(gvalid, gids, -1).reshape(-1).astype(jnp.int32),
@@ -69,19 +71,25 @@ class SampledStrategy(Strategy):
                              f"in_batch_negatives=False")
 
     def extra_specs(self, layout, extras):
-        """Every extra replicated: the same negatives, proposal and in-batch candidates on every shard."""
-        return {name: P() for name in extras}
+        """The proposal split over the vocab axis like the table's rows (the table's fsdp part is
+        gathered: `fsdp_gathers` is 'once' only); the key and in-batch candidates replicated."""
+        vocab = P(layout.vocab_axis) if layout.vocab_axis is not None else P()
+        return {name: vocab if name == "log_q" else P() for name in extras}
 
-    @staticmethod
-    def _log_q_at(extras, gids, *, vocab_size):
-        """extras plus the proposal's log q of the negatives, of the targets gids [M, L] (this
-        shard's rows) and of the in-batch candidates: "neg_log_q" [K], "target_log_q" [M, L],
-        "cand_log_q" [C] f32."""
-        lq = extras["log_q"]
-        at = lambda ids: jnp.take(lq, jnp.clip(ids, 0, vocab_size - 1), axis=0)
-        out = dict(extras, neg_log_q=at(extras["neg"]), target_log_q=at(gids))
+    def _negatives(self, extras, gids, shard):
+        """extras plus the drawn "neg" [K] and the proposal's log q of the negatives, of the targets
+        gids [M, L] (this shard's rows) and of the in-batch candidates: "neg_log_q" [K],
+        "target_log_q" [M, L], "cand_log_q" [C] f32."""
+        vocab_size = shard.vocab_size
+        lq = extras.get("log_q")
+        neg = self.draw_negatives(extras["key"], lq, vocab_size=vocab_size, shard=shard).astype(jnp.int32)
+        if lq is None:
+            at = lambda ids: jnp.full(ids.shape, -math.log(vocab_size), jnp.float32)
+        else:
+            at = sampler.Local(lq, shard).log_q_at
+        out = dict(extras, neg=neg, neg_log_q=at(neg), target_log_q=at(jnp.clip(gids, 0, vocab_size - 1)))
         if "cand" in extras:
-            out["cand_log_q"] = at(extras["cand"])
+            out["cand_log_q"] = at(jnp.clip(extras["cand"], 0, vocab_size - 1))
         return out
 
     def row_weights(self, targets, w, *, vocab_size):
@@ -96,7 +104,7 @@ class SampledStrategy(Strategy):
         inv_t = 1.0 / opts.temperature
         vocab_size = shard.vocab_size
         gids, gvalid = targets_lib.valid_targets(targets, opts.pad_id, vocab_size)
-        extras = self._log_q_at(extras, gids, vocab_size=vocab_size)
+        extras = self._negatives(extras, gids, shard)
         k = jnp.sum(gvalid, axis=-1, dtype=jnp.float32)
         ids, valid = shard.local_targets(targets, opts.pad_id)
         xt = shard.vocab_sum(jnp.where(valid, shard.gather_logits(hidden, ids, valid), 0.0)) * inv_t

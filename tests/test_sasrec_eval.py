@@ -76,6 +76,24 @@ def test_popularity_top_k_never_returns_padding():
     assert E.popularity_top_k(counts, 7).tolist() == [2, 3, 5, 1, 4, -1, -1]
 
 
+def test_popularity_top_k_in_chunks_is_the_whole_sort(rng, tmp_path):
+    """Chunked (as a memory-mapped popularity.npy at 10^9 items is read) = one lexsort of the whole
+    array, on heavy ties, for chunks smaller than K, around K and past V."""
+    counts = rng.integers(0, 6, size=1000).astype(np.int64)
+    np.save(tmp_path / "popularity.npy", counts)
+    mapped = np.load(tmp_path / "popularity.npy", mmap_mode="r")
+    for pad in (0, 7):
+        c = counts.astype(np.float64)
+        c[pad] = -np.inf
+        order = np.lexsort((np.arange(c.size), -c))
+        for k in (1, 10, 999, 1200):
+            want = order[np.isfinite(c[order])][:k].tolist()
+            want += [-1] * (k - len(want))
+            for chunk in (3, 64, 1000, 4096):
+                got = E.popularity_top_k(mapped, k, pad_id=pad, chunk=chunk)
+                assert got.tolist() == want, (pad, k, chunk)
+
+
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (1, 1, 8), (4, 1, 2)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_sharded_top_k_equals_one_chips_and_never_gathers_the_table(rng, shape, bias):

@@ -162,3 +162,39 @@ def test_loss_fsdp_gather_auto_picks_by_the_shapes_and_an_explicit_mode_stays():
                                                           "loss_fsdp_gather=once"]), mesh, vocab, batch_size=16)
         assert explicit.layout.fsdp_gather == "once" and explicit.gather is None
     assert picked == {100: "ring", 100_000: "rows"}
+
+
+@pytest.mark.tier1
+@pytest.mark.parametrize("vocab_parallelism", [4, 1])
+def test_a_counts_proposal_reaches_the_step_split_like_the_table(rng, vocab_parallelism):
+    """``sampled_proposal=counts`` on data 2 × vocab 4 (and on data 8, the hand-written data-parallel
+    step): the step's log q argument is split like the table's rows (whole on every chip without a
+    vocab split), each chip's rows are `log_q_rows` of the counts (padding id, zero counts and rows
+    past V −inf), normalised it is the host reference `log_q_of`, and a step on it is finite."""
+    from recloss_plugins.sasrec import program as program_lib
+    vocab = 301
+    counts = rng.integers(0, 5, size=vocab)
+    cfg = _cfg("loss=sampled_softmax", "num_negatives=16", "sampled_proposal=counts",
+               f"ici_vocab_parallelism={vocab_parallelism}")
+    mesh = parallel.build_mesh(cfg, jax.devices()[:8])
+    program = program_lib.build_program(cfg, mesh, vocab, batch_size=8)
+    inputs = program.step_inputs(counts)
+    lq = inputs["log_q"]
+    assert lq.shape == (program.rows,) and program.rows > vocab
+    assert lq.sharding.spec == (P("vocab") if vocab_parallelism > 1 else P())
+    for s in lq.addressable_shards:
+        lo, hi = program_lib._bounds(s.index[0], program.rows)
+        np.testing.assert_array_equal(np.asarray(s.data), program_lib.log_q_rows("counts", vocab, counts, lo, hi))
+    host = np.asarray(lq)
+    assert np.all(np.isneginf(host[vocab:])) and np.isneginf(host[0]) and np.all(np.isneginf(host[:vocab][counts == 0]))
+    ref = program_lib.log_q_of("counts", vocab, counts)
+    np.testing.assert_allclose(np.exp(np.asarray(jax.nn.log_softmax(host[:vocab]))), np.exp(ref), rtol=1e-6, atol=0)
+    state = program.init()
+    batch = {k: jax.device_put(np.zeros(v.shape, v.dtype), v.sharding) for k, v in program.abstract_batch().items()}
+    batch["inputs"] = jax.device_put(rng.integers(1, vocab, size=batch["inputs"].shape).astype(np.int32),
+                                     program.batch_shardings["inputs"])
+    batch["targets"] = jax.device_put(rng.integers(1, vocab, size=batch["targets"].shape).astype(np.int32),
+                                      program.batch_shardings["targets"])
+    batch["weights"] = jax.device_put(np.ones(batch["weights"].shape, np.float32), program.batch_shardings["weights"])
+    _, metrics = program.compiled_train_step()(state, batch, inputs)
+    assert bool(metrics["finite"]) and float(metrics["loss"]) > 0

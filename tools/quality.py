@@ -70,11 +70,12 @@ def steps_per_second(result, ds, repeats: int = 10) -> float:
     batch = data_lib.TrainBatches(ds.train, program.batch_size, program.cfg.seed).batch(0)
     batch = {k: jax.device_put(v, program.batch_shardings[k]) for k, v in batch.items()}
     state = jax.tree.map(lambda x: x.copy(), result.state)
-    state, m = compiled(state, batch)
+    inputs = program.step_inputs(ds.popularity)
+    state, m = compiled(state, batch, inputs)
     jax.block_until_ready(m)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        state, m = compiled(state, batch)
+        state, m = compiled(state, batch, inputs)
     jax.block_until_ready((state, m))
     return repeats / (time.perf_counter() - t0)
 

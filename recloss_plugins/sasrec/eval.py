@@ -148,15 +148,25 @@ def ranking_metrics(top_ids, targets, *, pad_id: int = 0) -> Dict[str, jax.Array
     }
 
 
-def popularity_top_k(counts: np.ndarray, k: int, *, pad_id: int = 0) -> np.ndarray:
+def popularity_top_k(counts: np.ndarray, k: int, *, pad_id: int = 0, chunk: int = 1 << 22) -> np.ndarray:
     """[K] ids of the most frequent items (ties: smaller id first), never ``pad_id``.
 
-    Args: counts [V] item counts. Returns int32 [K] (-1 fills when V-1 < K)."""
-    counts = np.asarray(counts, dtype=np.float64).copy()
-    counts[pad_id] = -np.inf
-    order = np.lexsort((np.arange(counts.size), -counts))
-    order = order[np.isfinite(counts[order])][:k]
-    return np.concatenate([order, -np.ones(k - order.size, np.int64)]).astype(np.int32)
+    Args: counts [V] item counts (a memory-mapped popularity.npy is read ``chunk`` ids at a time:
+    O(chunk + K) memory at any V). Returns int32 [K] (-1 fills when V-1 < K)."""
+    ids, vals = np.zeros(0, np.int64), np.zeros(0, np.float64)
+    for lo in range(0, len(counts), chunk):
+        c = np.asarray(counts[lo:lo + chunk], np.float64).copy()
+        if lo <= pad_id < lo + c.size:
+            c[pad_id - lo] = -np.inf
+        live = np.flatnonzero(np.isfinite(c))
+        if live.size > k:   # this chunk's K best (ties to the smaller id): all above the K-th value, then its first ties
+            kth = np.partition(c[live], live.size - k)[live.size - k]
+            above = live[c[live] > kth]
+            live = np.concatenate([above, live[c[live] == kth][:k - above.size]])
+        ids, vals = np.concatenate([ids, live + lo]), np.concatenate([vals, c[live]])
+        order = np.lexsort((ids, -vals))[:k]
+        ids, vals = ids[order], vals[order]
+    return np.concatenate([ids, -np.ones(k - ids.size, np.int64)]).astype(np.int32)
 
 
 def summarize(per_user: Dict[str, np.ndarray], k: int) -> Dict[str, float]:

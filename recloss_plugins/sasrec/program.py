@@ -17,8 +17,12 @@ checkpoints are the same under any global setting. A checkpoint records the impl
 
 A sampled loss (``loss: sampled_softmax | gbce``) draws step s's negatives with
 `negatives_key(seed, s)` (the run seed and the step only, so a resumed run draws
-what an uninterrupted one would) from the proposal `proposal_log_q` makes of the
-training split's item counts.
+what an uninterrupted one would) from its proposal (`proposal_of`), held like the
+table's rows: uniform is made inside the step from the row ids (`uniform_log_q`);
+counts reach the step as its third argument, a [rows] array split over the vocab
+axis that each process fills for its own chips' rows from the training split's item
+counts (`Program.step_inputs`, `log_q_rows`): no chip and no host holds a [V] array
+for it.
 """
 
 from __future__ import annotations
@@ -104,19 +108,38 @@ def proposal_log_q(cfg, vocab_size: int, item_counts=None):
 
 
 def log_q_of(proposal: str, vocab_size: int, item_counts=None):
-    """[V] float32 log proposal ``proposal``: 'counts' (and counts given) is `recloss.log_q_from_counts`
-    of the training split's counts; otherwise uniform over the items. The padding id 0 is never
-    drawn either way."""
+    """[V] float32 log proposal ``proposal``, normalised (a host-side reference: `tools.sampled_bias`):
+    `log_q_rows` over every id."""
+    lq = log_q_rows(proposal, vocab_size, item_counts, 0, vocab_size)
+    if not np.any(np.isfinite(lq)):   # no counts: uniform
+        lq = log_q_rows("uniform", vocab_size, None, 0, vocab_size)
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(lq)))
+
+
+def log_q_rows(proposal: str, vocab_size: int, item_counts, lo: int, hi: int) -> np.ndarray:
+    """Rows lo..hi−1 of the unnormalised log proposal [hi − lo] float32: 'counts' (with counts) log c_v
+    (−inf where c_v = 0), else uniform (0); the padding id 0 and rows at or past vocab_size −inf.
+
+    Reads only ``item_counts[lo:hi]`` (a memory-mapped popularity.npy stays on disk but for them)."""
+    ids = np.arange(lo, hi)
+    live = (ids > 0) & (ids < vocab_size)
     if proposal == "counts" and item_counts is not None:
-        c = np.zeros(vocab_size, np.float64)
-        n = min(vocab_size, len(item_counts))
-        c[:n] = np.asarray(item_counts, np.float64)[:n]
-        c[0] = 0.0
-        if c.sum() > 0:
-            return np.asarray(recloss.log_q_from_counts(c))
-    lq = np.zeros(vocab_size, np.float32)
-    lq[0] = -np.inf
-    return lq - np.log(max(vocab_size - 1, 1))
+        c = np.zeros(hi - lo, np.float64)
+        n = max(0, min(hi, vocab_size, len(item_counts)) - lo)
+        c[:n] = np.asarray(item_counts[lo:lo + n], np.float64)
+        live &= c > 0
+        w = np.log(np.where(live, c, 1.0))
+    else:
+        w = np.zeros(hi - lo)
+    return np.where(live, w, -np.inf).astype(np.float32)
+
+
+def uniform_log_q(rows: int, vocab_size: int):
+    """The uniform proposal's [rows] log weights, traced: 0 for ids 1..V−1, −inf for the padding id
+    and the rows past V. Made inside the step, so XLA lays it out as the loss takes it (the table's
+    vocab split): no [V] constant in the program."""
+    ids = jax.lax.iota(jnp.int32, rows)
+    return jnp.where((ids > 0) & (ids < vocab_size), 0.0, -jnp.inf).astype(jnp.float32)
 
 
 def make_model(cfg, rows: int, rngs: nnx.Rngs, vocab_size: Optional[int] = None) -> SASRec:
@@ -170,20 +193,37 @@ class Program:
     state_shardings: Any
     batch_shardings: Dict[str, NamedSharding]
     init: Callable             # () -> state
-    train_step: Callable       # (state, batch) -> (state, metrics)
+    train_step: Callable       # (state, batch, inputs) -> (state, metrics); inputs: `step_inputs`
     eval_top_k: Callable       # (params, inputs [U, N], lengths [U]) -> (scores [U, K], ids [U, K])
     prng_impl: str = PRNG_IMPL  # the implementation of every key (recorded in checkpoints)
     manual: Optional[recloss.MeshLayout] = None   # the loss's layout when the step is data parallel by hand
     model_batch_axes: Tuple[str, ...] = ()        # what the batch arrays are split over (`parallel.model_batch_axes`)
     gather: Optional[Any] = None                  # loss_fsdp_gather=auto: the `recloss.choose_fsdp_gather` pick
+    inputs_shardings: Dict[str, NamedSharding] = dataclasses.field(default_factory=dict)   # `step_inputs`
     _compiled: Any = dataclasses.field(default=None, repr=False)
 
     def compiled_train_step(self):
         """The train step compiled for the abstract state and batch (once per Program)."""
         if self._compiled is None:
             with pinned_random():
-                self._compiled = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
+                self._compiled = self.train_step.lower(self.abstract_state, self.abstract_batch(),
+                                                       self.abstract_inputs()).compile()
         return self._compiled
+
+    def abstract_inputs(self):
+        """The step's third argument as ShapeDtypeStructs (`step_inputs`)."""
+        return {k: jax.ShapeDtypeStruct((self.rows,), jnp.float32, sharding=sh)
+                for k, sh in self.inputs_shardings.items()}
+
+    def step_inputs(self, item_counts=None) -> Dict[str, Any]:
+        """The train step's third argument: {} unless the loss draws from a counts proposal, then
+        {"log_q": [rows] float32} (`log_q_rows` of ``item_counts`` [V], the training split's
+        counts), laid out as the loss takes it; each process makes only its own chips' rows, so a
+        memory-mapped popularity.npy is read just there."""
+        return {k: jax.make_array_from_callback(
+                    (self.rows,), sh, lambda index: log_q_rows(
+                        "counts", self.vocab_size, item_counts, *_bounds(index[0], self.rows)))
+                for k, sh in self.inputs_shardings.items()}
 
     def abstract_batch(self, batch_size=None):
         b = self.batch_size if batch_size is None else batch_size
@@ -211,20 +251,17 @@ _PROGRAMS: "collections.OrderedDict" = collections.OrderedDict()
 _MAX_PROGRAMS = 4
 
 
-def program_for(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=None) -> Program:
+def program_for(cfg, mesh, vocab_size: int, *, batch_size=None) -> Program:
     """`build_program`, memoised on everything that shapes the programs, so runs in one
-    process with the same model (a resume, a sweep over run names) compile once.
-    ``item_counts`` [V]: the training split's item counts (used by sampled losses only)."""
-    if recloss.get_strategy(cfg.loss).objective != "sampled":
-        item_counts = None
-    counts_key = None if item_counts is None else hash(np.asarray(item_counts, np.float64).tobytes())
+    process with the same model (a resume, a sweep over run names) compile once. (A counts
+    proposal's values are the step's argument, `Program.step_inputs`: not part of the program.)"""
     key = (tuple((k, _hashable(cfg[k])) for k in SCHEMA if k not in _NON_PROGRAM_KEYS),
            tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, tuple(mesh.axis_names),
-           mesh.devices.flat[0].device_kind, vocab_size, batch_size, counts_key)
+           mesh.devices.flat[0].device_kind, vocab_size, batch_size)
     if key in _PROGRAMS:
         _PROGRAMS.move_to_end(key)
         return _PROGRAMS[key]
-    program = build_program(cfg, mesh, vocab_size, batch_size=batch_size, item_counts=item_counts)
+    program = build_program(cfg, mesh, vocab_size, batch_size=batch_size)
     _PROGRAMS[key] = program
     while len(_PROGRAMS) > _MAX_PROGRAMS:
         _PROGRAMS.popitem(last=False)
@@ -235,9 +272,8 @@ def _hashable(v):
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
-def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=None) -> Program:
-    """Everything jitted for ``cfg`` on ``mesh`` with a ``vocab_size``-id vocabulary
-    (``item_counts``: the training split's item counts, for a sampled loss's proposal)."""
+def build_program(cfg, mesh, vocab_size: int, *, batch_size=None) -> Program:
+    """Everything jitted for ``cfg`` on ``mesh`` with a ``vocab_size``-id vocabulary."""
     auto = cfg.loss_fsdp_gather == "auto"
     layout = parallel.layout_for(mesh, "once" if auto else cfg.loss_fsdp_gather)
     platform = layout.platform
@@ -281,13 +317,15 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
     batch_sh = parallel.named(mesh, parallel.batch_specs(layout, model_axes))
     replicated = NamedSharding(mesh, P())
 
-    sampled = {}
-    if strategy.objective == "sampled":
-        sampled["log_q"] = proposal_log_q(cfg, vocab_size, item_counts)
-
+    sampled = strategy.objective == "sampled"
     manual = _manual_data_parallel(strategy, layout)
+    # The step's third argument: a counts proposal's [rows] log weights, split as the loss takes them.
+    inputs_sh = {}
+    if sampled and proposal_of(cfg) == "counts":
+        lq_spec = P() if manual is not None else strategy.extra_specs(layout, {"log_q": None})["log_q"]
+        inputs_sh = {"log_q": NamedSharding(mesh, lq_spec)}
 
-    def loss_fn(params, batch, step, *, rng=None, keep=None):
+    def loss_fn(params, batch, step, inputs, *, rng=None, keep=None):
         """(loss, metrics) of the model on ``batch``: the sharded loss on ``layout``, or, under the
         step's own shard_map (``manual``), on this device's rows with the tied lookup's gradient
         written into the loss's dE (`tied_lookup`)."""
@@ -297,32 +335,35 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
             params = dict(params, item_emb=dict(params["item_emb"], embedding=table))
         model = nnx.merge(graphdef, params)
         hidden = model(batch["inputs"], rng=rng, keep=keep, item_vectors=vectors)
-        extra = {} if not sampled else dict(sampled, key=negatives_key(seed, step))
+        extra = {}
+        if sampled:
+            extra = dict(key=negatives_key(seed, step), log_q=inputs.get("log_q", uniform_log_q(rows, vocab_size)))
         table = model.output_table()     # narrowed to the compute dtype, never widened (a bf16 table stays)
         table = table.astype(cdtype) if table.dtype.itemsize > jnp.dtype(cdtype).itemsize else table
         out = strategy(hidden, table, batch["targets"], batch["weights"],
                        model.output_bias(), layout=layout if manual is None else manual, **extra)
         return out.loss, out.metrics
 
-    def local_grads(params, batch, keep, step):
+    def local_grads(params, batch, keep, step, inputs):
         """This device's rows under the step's shard_map over the batch axes: the global loss and
         metrics, and the parameters' gradients summed over the devices in place."""
-        (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, step, keep=keep)
+        (loss, mets), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, step, inputs, keep=keep)
         return loss, mets, jax.tree.map(lambda g: recloss.psum_in_place(g, manual.batch_axes), grads)
 
-    def train_step(state, batch):
+    def train_step(state, batch, inputs):
         key_of_step = jax.random.fold_in(wrap_key(state["rng"]), state["step"])
         key = key_of_step if cfg.dropout > 0 else None
         if manual is None:
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-            (loss, mets), grads = grad_fn(state["params"], batch, state["step"], rng=key)
+            (loss, mets), grads = grad_fn(state["params"], batch, state["step"], inputs, rng=key)
         else:   # the masks drawn for the whole batch, as the sharded model would, then split
             keep = nnx.merge(graphdef, state["params"]).dropout_keep(key, batch["inputs"].shape)
             keep_spec = None if keep is None else P(None, *layout.batch_spec(3))
             fn = jax.shard_map(local_grads, mesh=mesh,
-                               in_specs=(P(), parallel.batch_specs(layout), keep_spec, P()),
+                               in_specs=(P(), parallel.batch_specs(layout), keep_spec, P(),
+                                         {k: P() for k in inputs}),
                                out_specs=(P(), P(), P()), check_vma=False)
-            loss, mets, grads = fn(state["params"], batch, keep, state["step"])
+            loss, mets, grads = fn(state["params"], batch, keep, state["step"], inputs)
         gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -354,10 +395,15 @@ def build_program(cfg, mesh, vocab_size: int, *, batch_size=None, item_counts=No
         manual=manual, model_batch_axes=model_axes, gather=gather,
         batch_shardings=batch_sh,
         init=_pinned(jax.jit(init, out_shardings=state_sh)),
-        train_step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
-                           donate_argnums=(0,)),
+        train_step=jax.jit(train_step, in_shardings=(state_sh, batch_sh, inputs_sh),
+                           out_shardings=(state_sh, replicated), donate_argnums=(0,)),
+        inputs_shardings=inputs_sh,
         eval_top_k=jax.jit(eval_top_k, in_shardings=eval_in),
     )
+
+
+def _bounds(index: slice, n: int) -> Tuple[int, int]:
+    return (index.start or 0, n if index.stop is None else index.stop)
 
 
 def _manual_data_parallel(strategy, layout: recloss.MeshLayout) -> Optional[recloss.MeshLayout]:

@@ -145,7 +145,7 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
             f"{ds.sequences.num_items} items (V={vocab} with padding); split users train {ds.train.num_users} "
             f"dev {ds.dev.num_users} test {ds.test.num_users} ({time.perf_counter() - t0:.1f}s)")
 
-    program = program_for(cfg, mesh, vocab, item_counts=ds.popularity)   # counts: a sampled loss's logQ
+    program = program_for(cfg, mesh, vocab)
     B = program.batch_size
     if isinstance(ds, pipeline_lib.GrainData):
         ds.local_batch_size(B)  # B must split over the shards: a named error before any work
@@ -188,6 +188,7 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
 
     compiled = program.compiled_train_step()
     say(f"compiled train step, per-device memory: {format_memory(memory_report(compiled))}")
+    inputs = program.step_inputs(ds.popularity if program.inputs_shardings else None)   # a counts proposal's logQ
 
     batches = data_lib.TrainBatches(ds.train, B, cfg.seed) if grain_it is None else None
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
@@ -200,7 +201,7 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
             else:
                 batch = {k: parallel.put_process_local(v, program.batch_shardings[k], B)
                          for k, v in next(grain_it).items()}
-            state, metrics = compiled(state, batch)
+            state, metrics = compiled(state, batch, inputs)
             position += B
             log.pending.append((s, metrics))
             done = s + 1

@@ -219,7 +219,14 @@ def check_num_labels(manifest: Manifest, num_labels: int) -> None:
 
 
 def popularity_of(manifest: Manifest, num_labels: int) -> np.ndarray:
-    """[vocab_size] int64 popularity.npy, counted for ``num_labels`` (else ShardError)."""
+    """[vocab_size] int64 popularity.npy, counted for ``num_labels`` (else ShardError).
+
+    On a local disk the file is memory-mapped: a reader of some rows (a counts proposal's rows of
+    this host's chips, the chunked popularity top-K) pages in just those, 8 bytes an item. From
+    Cloud Storage it is read whole (8 GB at 10^9 items); copy it beside the run to avoid that."""
     check_num_labels(manifest, num_labels)
-    with (as_path(manifest.path, "prepared_data_path") / "popularity.npy").open("rb") as f:
+    path = as_path(manifest.path, "prepared_data_path") / "popularity.npy"
+    if not str(path).startswith("gs://"):
+        return np.load(os.fspath(path), mmap_mode="r", allow_pickle=False)
+    with path.open("rb") as f:
         return np.load(f)

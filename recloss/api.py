@@ -138,14 +138,16 @@ def sampled_loss(hidden, table, targets, weights=None, bias=None, *, key=None, s
 
     Args:
       hidden [..., D], table [V, D], targets [..., L], weights [...], bias [V]: as `softmax_loss`.
-      key: a `jax.random` key (required): the same key draws the same negatives, also under
-        jit and sharding (drawn once, outside shard_map).
+      key: a `jax.random` key (required): the same key draws the same negatives on every shard
+        and under jit (drawn inside each vocab shard from the proposal's parts; two meshes may
+        differ where a uniform lands within float rounding of a CDF step).
       strategy: 'sampled_softmax' or 'gbce'.
       log_q: [V] (or [table rows]) float log proposal probabilities, normalised here; −inf = never
         drawn; NaN/+inf are an error (checked when not traced). `log_q_from_counts` builds it.
-        No gradient flows into it.
-      layout: a `recloss.MeshLayout` to run sharded, or None (as `softmax_loss`; the drawn
-        negatives and the proposal are replicated over its mesh).
+        No gradient flows into it. None (uniform) needs no array.
+      layout: a `recloss.MeshLayout` to run sharded, or None (as `softmax_loss`; ``log_q`` is
+        split over its vocab axis like the table's rows, 4 bytes a row a chip: pass it as
+        [table rows], placed so, at large V).
       **options: `LossOptions` fields: num_negatives, remove_accidental_hits, temperature,
         reduction, pad_id, vocab_size, compute_metrics; in_batch_negatives (sampled_softmax),
         gbce_t (gbce).

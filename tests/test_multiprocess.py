@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -150,15 +151,17 @@ def test_grain_kill_9_mid_epoch_then_resume_gives_the_uninterrupted_parameters(g
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_grain_kill_9_with_row_wise_adagrad_then_resume_gives_the_uninterrupted_run(grain_job):
-    """``item_optimizer: rowwise_adagrad`` on the (2, 2, 2) mesh (its accumulators split like the table's
-    rows): killed with SIGKILL after the step-4 checkpoint, resumed, it ends with the parameters, losses
-    and final metrics of the run that was never stopped."""
+def test_grain_kill_9_with_row_wise_adagrad_and_a_bf16_table_then_resume_gives_the_uninterrupted_run(grain_job):
+    """``item_optimizer: rowwise_adagrad`` with ``item_table_dtype: bfloat16`` on the (2, 2, 2) mesh (the
+    accumulators split like the table's rows, the rows stochastically rounded from the run's keys):
+    killed with SIGKILL after the step-4 checkpoint, resumed, it ends with the parameters, losses and
+    final metrics of the run that was never stopped."""
     from recloss_plugins.config import load_config
     from recloss_plugins.sasrec import train as T
 
     tmp, args, _ = grain_job
-    ada = args + ["item_optimizer=rowwise_adagrad", "item_learning_rate=0.1", "item_adagrad_initial_accumulator=0.01"]
+    ada = args + ["item_optimizer=rowwise_adagrad", "item_learning_rate=0.1", "item_adagrad_initial_accumulator=0.01",
+                  "item_table_dtype=bfloat16"]
     ref = T.train(load_config(ada + ["run_name=ada-ref", "enable_checkpointing=false"]), devices=jax.devices()[:8],
                   log=lambda *a: None)
     res = _grain_launch(ada + ["run_name=ada-killed"], tmp / "ada-killed", 8, "--kill-at", "4")
@@ -168,6 +171,7 @@ def test_grain_kill_9_with_row_wise_adagrad_then_resume_gives_the_uninterrupted_
     assert sorted(resumed.losses) == [4, 5]
     for s in resumed.losses:
         assert resumed.losses[s] == ref.losses[s], s
+    assert resumed.state["params"]["item_emb"]["embedding"].dtype == jnp.bfloat16
     for a, b in zip(jax.tree.leaves(ref.state), jax.tree.leaves(resumed.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert resumed.evals == ref.evals

@@ -274,11 +274,21 @@ CHIP_RECORDS: Dict[str, ChipRecord] = {
     "tpu-v5e-suite-dv": ChipRecord(
         "tpu/v5e-suite-dv.json", "git checkout table-layout-dv && recloss-bench --chip --chip-shapes "
         "llm-head-bf16,paper-bf16 --repeats 5 --json docs/figures/tpu/v5e-suite-dv.json", _chip_formatter("format_table")),
+    # What exactness costs from 10^6 to 10^9 items on v5e-256 (docs/sharding.md): each row's step compiled
+    # here, with the per-chip times `python -m tools.cost_figures chip` measured on a v5e beside it.
+    "cost-v5e-256": ChipRecord(
+        "cost/v5e-256.json", "python -m tools.cost_figures record --chip docs/figures/tpu/v5e-cost.json "
+        "--out docs/figures/cost/v5e-256.json", lambda payload: _cost_table(payload)),
     "tpu-tests-kernels": ChipRecord(
         "tpu/tests-kernels.json", "make test-tpu TPU_PYTHON=python3 TPU_RECORD=docs/figures/tpu/tests-kernels.json "
         "PYTEST_ARGS=\"-k 'rounded_once or sparse_term or cancels or test_bf16 or all_options or odd_shapes'\"",
         _chip_formatter("format_tests")),
 }
+
+
+def _cost_table(payload: dict) -> str:
+    from tools import cost_table
+    return cost_table.format_table(payload)
 
 
 def render_chip_record(name: str, figures_dir: Optional[Path] = None) -> str:

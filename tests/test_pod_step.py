@@ -14,6 +14,7 @@ worst recorded figure of each row.
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 
 import pytest
 
@@ -75,3 +76,22 @@ def test_the_billion_item_config_fits_a_v5e_chip_with_its_evaluation():
     out = step_aot.compile_report(cfg, log=print)
     assert out["xla_bytes"] <= 14 * 2 ** 30, out["xla_bytes"] / 2 ** 30
     assert out["eval_xla_bytes"] <= 14 * 2 ** 30, out["eval_xla_bytes"] / 2 ** 30
+
+
+def test_the_billion_item_sampled_step_holds_its_proposal_split_like_the_table():
+    """The same config with `sampled_softmax` at K = 512 drawing from the training counts: the proposal is
+    the step's [rows] argument split over the 256 vocab shards (4 bytes a row a chip, no [V] array, no
+    captured constant), and the step stays within the exact one's budget by XLA's count."""
+    from recloss_plugins.config import load_config
+    from recloss_plugins.sasrec import aot as step_aot, parallel
+
+    cfg = load_config([str(figures.ROOT / "configs" / "sasrec_billion.yml"), "compile_topology=v5e-256",
+                       "loss=sampled_softmax", "num_negatives=512", "sampled_proposal=counts"])
+    devices = parallel.topology_devices(cfg.compile_topology, 1)
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, rep, program = step_aot.compile_step(cfg, devices, cfg.vocab_size, dump_to=dump)
+        xla = aot.hbm_bytes(dump)
+    (lq,) = jax.tree.leaves(program.abstract_inputs())
+    assert lq.shape == (program.rows,) and lq.sharding.shard_shape(lq.shape) == (program.rows // 256,)
+    assert rep["argument"] < 2.1 * 2 ** 30, rep["argument"] / 2 ** 30     # the bf16 table shard (1.86 GiB) and small
+    assert xla <= 8 * 2 ** 30, xla / 2 ** 30

@@ -104,6 +104,26 @@ def test_resume_ends_with_the_same_parameters(tmp_path, loss):
     assert resumed.evals["test"] == full.evals["test"]
 
 
+def test_a_counts_proposal_trains_and_without_counts_is_uniform_and_says_so(tmp_path):
+    """``sampled_proposal=counts``: the step takes the training counts' log q as its argument and trains;
+    a training split that counts no item (padding aside) draws uniformly and the log says so."""
+    import dataclasses
+
+    from recloss_plugins.sasrec.program import counts_any
+    assert not counts_any(np.array([7, 0, 0]), 3) and counts_any(np.array([0, 0, 2]), 3, chunk=1)
+    assert not counts_any(np.array([0, 0, 0, 4]), 3)     # past V does not count
+    common = ["steps=3", "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false",
+              "loss=sampled_softmax", "num_negatives=16", "sampled_proposal=counts"]
+    ds = D.build_dataset(_cfg(tmp_path, *common))
+    assert counts_any(ds.popularity, ds.vocab_size)
+    for name, data in (("counted", ds), ("uncounted", dataclasses.replace(ds, popularity=np.zeros_like(ds.popularity)))):
+        logs = []
+        r = train(_cfg(tmp_path, *common, f"run_name={name}"), devices=_one_device(), dataset=data, log=logs.append)
+        assert sorted(r.losses) == [0, 1, 2] and all(np.isfinite(v) for v in r.losses.values())
+        assert any("from the counts proposal" in l for l in logs)
+        assert any("counts no item" in l for l in logs) == (name == "uncounted")
+
+
 def _of(objective):
     return list(recloss.available_strategies(objective))
 

@@ -134,6 +134,12 @@ def log_q_rows(proposal: str, vocab_size: int, item_counts, lo: int, hi: int) ->
     return np.where(live, w, -np.inf).astype(np.float32)
 
 
+def counts_any(item_counts, vocab_size: int, chunk: int = 1 << 22) -> bool:
+    """Whether any item 1..V−1 has a count > 0, read ``chunk`` ids at a time (stops at the first)."""
+    n = min(vocab_size, len(item_counts))
+    return any(np.any(np.asarray(item_counts[max(lo, 1):min(lo + chunk, n)]) > 0) for lo in range(0, n, chunk))
+
+
 def uniform_log_q(rows: int, vocab_size: int):
     """The uniform proposal's [rows] log weights, traced: 0 for ids 1..V−1, −inf for the padding id
     and the rows past V. Made inside the step, so XLA lays it out as the loss takes it (the table's
@@ -218,8 +224,8 @@ class Program:
     def step_inputs(self, item_counts=None) -> Dict[str, Any]:
         """The train step's third argument: {} unless the loss draws from a counts proposal, then
         {"log_q": [rows] float32} (`log_q_rows` of ``item_counts`` [V], the training split's
-        counts), laid out as the loss takes it; each process makes only its own chips' rows, so a
-        memory-mapped popularity.npy is read just there."""
+        counts; None: uniform), laid out as the loss takes it; each process makes only its own
+        chips' rows, so a memory-mapped popularity.npy is read just there."""
         return {k: jax.make_array_from_callback(
                     (self.rows,), sh, lambda index: log_q_rows(
                         "counts", self.vocab_size, item_counts, *_bounds(index[0], self.rows)))

@@ -35,7 +35,7 @@ from recloss_plugins.sasrec.checkpoints import Checkpoints
 from recloss_plugins.sasrec.logging_utils import (MetricsWriter, Progress, format_duration, format_eval,
                                                   format_loss_metrics, loss_metrics)
 from recloss.aot import format_memory, memory_report
-from recloss_plugins.sasrec.program import Program, program_for, proposal_of
+from recloss_plugins.sasrec.program import Program, counts_any, program_for, proposal_of
 
 USAGE = """usage: recloss-train [CONFIG.yml] [key=value ...]
 
@@ -188,7 +188,11 @@ def _train_body(cfg, ds, program, vocab, run_dir, writer, ckpt, *, stop_after, s
 
     compiled = program.compiled_train_step()
     say(f"compiled train step, per-device memory: {format_memory(memory_report(compiled))}")
-    inputs = program.step_inputs(ds.popularity if program.inputs_shardings else None)   # a counts proposal's logQ
+    counts = ds.popularity if program.inputs_shardings else None   # a counts proposal's logQ
+    if counts is not None and not counts_any(counts, program.vocab_size):
+        say("sampled_proposal=counts: the training split counts no item, so the negatives are drawn uniformly")
+        counts = None
+    inputs = program.step_inputs(counts)
 
     batches = data_lib.TrainBatches(ds.train, B, cfg.seed) if grain_it is None else None
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)

@@ -112,8 +112,8 @@ def sampled_bias(hidden, table, targets, weights=None, bias=None, *, key, strate
 
             loss_fn = api._for("sampled", strategy, dict(options, num_negatives=k))
             # The strategy's one draw, without its K <= V guard (a config check, not a limit of the math).
-            loss_fn.draw_negatives = lambda key_i, lq, vocab_size, shard=None, k=k: sampler.draw(
-                key_i, lq, k, vocab_size=vocab_size, shard=shard)
+            loss_fn.draw_negatives = lambda key_i, proposal, vocab_size, k=k: sampler.draw(
+                key_i, proposal, k, vocab_size=vocab_size)
 
             def one(h, e, key_i, log_q=log_q, loss_fn=loss_fn):
                 return loss_fn(h, e, targets, weights, bias, key=key_i, log_q=log_q).loss

@@ -27,7 +27,8 @@ def negatives(strategy, key, opts, *, rows, log_q=None):
     """The ids `sampled_loss` draws for ``key`` (the strategy's own draw, with the same proposal)."""
     s = recloss.get_strategy(strategy, **opts)
     v = opts.get("vocab_size") or rows
-    return np.asarray(s.draw_negatives(key, sampler.masked(log_q, rows=rows, vocab_size=v), vocab_size=v))
+    return np.asarray(s.draw_negatives(key, sampler.local(sampler.masked(log_q, rows=rows, vocab_size=v)),
+                                       vocab_size=v))
 
 
 def run(case, key, opts, *, cot=None, log_q=None, layout=None):
@@ -149,8 +150,8 @@ def test_sampler_draws_from_q_with_replacement():
     """200k draws over V = 50: frequencies within 4 standard errors of q; ids with q = 0 never drawn."""
     q = _zipfish_q(0, 50)
     lq = jnp.log(jnp.asarray(q, jnp.float32))
-    _frequencies_match(np.asarray(sampler.draw(jax.random.key(11), sampler.masked(lq, rows=50, vocab_size=50),
-                                               200_000, vocab_size=50)), q)
+    _frequencies_match(np.asarray(sampler.draw(jax.random.key(11), sampler.local(sampler.masked(
+        lq, rows=50, vocab_size=50)), 200_000, vocab_size=50)), q)
     uniform = np.asarray(sampler.draw(jax.random.key(12), None, 200_000, vocab_size=50))
     _frequencies_match(uniform, np.full(50, 1 / 50))
 
@@ -174,8 +175,9 @@ def test_sharded_draw_is_q_and_the_same_on_every_shard():
     def body(lq_local):
         shard = VocabShard(jnp.zeros((8, 1)), None, jax.lax.axis_index("vocab") * 8, 50, "cpu",
                            vocab_axes=("vocab",))
-        ids = sampler.draw(jax.random.key(5), lq_local, 200_000, vocab_size=50, shard=shard)
-        return ids[None], sampler.Local(lq_local, shard).log_q_at(jnp.clip(probe, 0, 49))[None]
+        proposal = sampler.local(lq_local, shard)
+        ids = sampler.draw(jax.random.key(5), proposal, 200_000, vocab_size=50)
+        return ids[None], proposal.log_q_at(jnp.clip(probe, 0, 49))[None]
 
     ids, at = jax.jit(_compat.shard_map(body, mesh=mesh, in_specs=P("vocab"), out_specs=P("vocab"),
                                         check_vma=False))(_compat.place(lq, mesh, P("vocab")))
@@ -214,7 +216,7 @@ class _Fixed:
     """Test hook: negatives given up front instead of drawn."""
     ids = None
 
-    def draw_negatives(self, key, log_q, *, vocab_size, shard=None):
+    def draw_negatives(self, key, proposal, *, vocab_size):
         return jnp.asarray(self.ids, jnp.int32)
 
 
@@ -258,7 +260,7 @@ class EveryId(recloss.sampled.GBCE):
     """Test hook: the 'negatives' are the whole catalogue; each row's targets are then its accidental
     hits, so every row sees exactly its V − |T| non-target ids (α = 1, β = 1)."""
 
-    def draw_negatives(self, key, log_q, *, vocab_size, shard=None):
+    def draw_negatives(self, key, proposal, *, vocab_size):
         return jnp.arange(vocab_size, dtype=jnp.int32)
 
 

@@ -14,6 +14,8 @@ ids may differ between meshes where a uniform lands within float rounding of a C
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,13 +154,18 @@ class Local:
         return self._vocab_sum(jnp.where(which == index, self.offset + local, 0)).astype(jnp.int32)
 
 
-def draw(key, log_q, k: int, *, vocab_size: int, shard=None):
-    """K ids [K] int32 drawn with replacement from q ∝ exp(log_q): ``log_q`` this shard's [V_local]
-    weights (`masked`; the whole [rows] with ``shard`` None, on one device), or None for uniform over
-    [0, vocab_size)."""
-    if log_q is None:
+def local(log_q, shard=None) -> Optional[Local]:
+    """`Local` of this shard's [V_local] weights ``log_q`` (`masked`; the whole [rows] with ``shard``
+    None, on one device), or None (uniform) for None."""
+    return None if log_q is None else Local(log_q, shard)
+
+
+def draw(key, proposal: Optional[Local], k: int, *, vocab_size: int):
+    """K ids [K] int32 drawn with replacement from the shard's ``proposal`` (`local`), or uniformly
+    over [0, vocab_size) for None."""
+    if proposal is None:
         return jax.random.randint(key, (k,), 0, vocab_size, jnp.int32)
-    return Local(log_q, shard).draw(key, k)
+    return proposal.draw(key, k)
 
 
 def check_key(key):

@@ -29,17 +29,16 @@ class SampledStrategy(Strategy):
     entry_point = "recloss.sampled_loss"
     options_supported = SAMPLED_OPTIONS
 
-    def draw_negatives(self, key, log_q, *, vocab_size: int, shard=None):
-        """The negative ids [K] int32 of one call, drawn with replacement from q ∝ exp(log_q), the
-        same on every shard: ``log_q`` this shard's [V_local] weights (`sampler.masked`; the whole
-        [rows] with ``shard`` None) or None (uniform over the V ids).
+    def draw_negatives(self, key, proposal, *, vocab_size: int):
+        """The negative ids [K] int32 of one call, drawn with replacement from q, the same on every
+        shard: ``proposal`` this shard's part of q (`sampler.local`) or None (uniform over the V ids).
 
         The one place ids are drawn: a test may override it (e.g. to enumerate the catalogue)."""
         k = self.options.num_negatives
         if k > vocab_size:
             raise ValueError(f"num_negatives={k} exceeds the vocabulary size V={vocab_size}: expected "
                              f"1 <= num_negatives <= {vocab_size}")
-        return sampler.draw(key, log_q, k, vocab_size=vocab_size, shard=shard)
+        return sampler.draw(key, proposal, k, vocab_size=vocab_size)
 
     def prepare(self, targets, *, rows, vocab_size, key=None, log_q=None, **inputs):
         """Checks the key and lays the proposal out; with in-batch negatives, the batch's targets.
@@ -81,12 +80,12 @@ class SampledStrategy(Strategy):
         gids [M, L] (this shard's rows) and of the in-batch candidates: "neg_log_q" [K],
         "target_log_q" [M, L], "cand_log_q" [C] f32."""
         vocab_size = shard.vocab_size
-        lq = extras.get("log_q")
-        neg = self.draw_negatives(extras["key"], lq, vocab_size=vocab_size, shard=shard).astype(jnp.int32)
-        if lq is None:
+        proposal = sampler.local(extras.get("log_q"), shard)
+        neg = self.draw_negatives(extras["key"], proposal, vocab_size=vocab_size).astype(jnp.int32)
+        if proposal is None:
             at = lambda ids: jnp.full(ids.shape, -math.log(vocab_size), jnp.float32)
         else:
-            at = sampler.Local(lq, shard).log_q_at
+            at = proposal.log_q_at
         out = dict(extras, neg=neg, neg_log_q=at(neg), target_log_q=at(jnp.clip(gids, 0, vocab_size - 1)))
         if "cand" in extras:
             out["cand_log_q"] = at(jnp.clip(extras["cand"], 0, vocab_size - 1))

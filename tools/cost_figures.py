@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from tools.cost_table import estimate, format_table   # noqa: F401  (the record's table: `show`, `record`)
+from tools.cost_table import format_table
 
 CONFIG = "configs/sasrec_billion.yml"
 TOPOLOGY = "v5e-256"
@@ -49,7 +49,6 @@ LOSSES = {"exact": (), "sampled K=512": ("loss=sampled_softmax", "num_negatives=
 # Cloud TPU v5e: 51.2 TB/s all-reduce bandwidth per 256-chip pod, 200 GB/s a chip (400 GB/s
 # bidirectional ICI per chip); docs.cloud.google.com/tpu/docs/v5e.
 ICI_BYTES_PER_S = 200e9
-CHIPS_PER_HOST = 4          # a multi-host v5e slice's hosts hold 4 chips each (ct5lp-hightpu-4t)
 FORMAT = 1
 
 
@@ -65,11 +64,11 @@ def config(vocab: int, loss: str, root: Optional[Path] = None):
 
 
 def per_chip(cfg) -> dict:
-    """The loss's per-chip shape of a row: M rows (all of the batch's), its V/256 table rows, D, L."""
-    import recloss
+    """The loss's per-chip shape of a row: M rows (all of the batch's), its V/256 table rows, D, L. The
+    rows are padded as `recloss.padded_vocab_size` pads them on 256 table shards (`compile_row` checks
+    it against the compiled program's)."""
     shards = 256
-    rows = recloss.padded_vocab_size(cfg.vocab_size) // 128
-    rows = -(-rows // shards) * shards * 128
+    rows = -(-cfg.vocab_size // (shards * 128)) * shards * 128
     return dict(M=cfg.global_batch_size * cfg.max_seq_len, V_chip=rows // shards, D=cfg.emb_dim, L=cfg.num_labels,
                 B=cfg.global_batch_size, N=cfg.max_seq_len)
 
@@ -111,7 +110,7 @@ def _loss_fn(cfg, shape: dict):
 
 
 def _optimizer_fn(cfg, shape: dict):
-    """(jitted item-table update, its inputs): the run's optimizer on one chip's item embedding and bias."""
+    """A call of the run's optimizer on one chip's item embedding and bias (donated: each call updates them)."""
     import jax
     import jax.numpy as jnp
 
@@ -134,7 +133,7 @@ def _optimizer_fn(cfg, shape: dict):
     def run():
         box["params"], box["state"] = fn(box["params"], box["state"], grads, jax.random.key(2))
         return box["params"]
-    return run, params, state
+    return run
 
 
 def _checkpoint_rate(shape: dict, repeats: int = 3) -> dict:
@@ -218,7 +217,7 @@ def measure_chip(rounds: int = 3, vocabs=VOCABS, *, require_tpu: bool = True) ->
         times = _rounds(timers, rounds, rng, rates, out)
         del timers, h, e, b, t
         gc.collect()
-        run_opt, _, _ = _optimizer_fn(cfgs["exact"], shape)
+        run_opt = _optimizer_fn(cfgs["exact"], shape)
         jax.block_until_ready(run_opt())
         finite["optimizer"] = True
         times.update(_rounds({"optimizer": run_opt}, rounds, rng, rates, out))
@@ -259,7 +258,7 @@ def probe_chip(vocabs=(10**6, 10**8, 10**9), repeats: int = 5) -> dict:
         ids = jax.random.randint(keys[2], (m, shape["L"]), 0, vc, jnp.int32)
         gather = jax.jit(jax.value_and_grad(lambda h, e, b: jnp.sum(targets_lib.gather_logits(h, e, b, ids)),
                                             argnums=(0, 1, 2)))
-        draw = jax.jit(lambda lq, key: sampler.draw(key, lq, k, vocab_size=vc))
+        draw = jax.jit(lambda lq, key: sampler.draw(key, sampler.local(lq), k, vocab_size=vc))
         lq = program_lib.uniform_log_q(vc, vc)
         for part, call in (("targets", lambda: gather(h, e, b)), ("draw", lambda: draw(lq, jax.random.key(3)))):
             jax.block_until_ready(call())
@@ -376,11 +375,15 @@ def compile_row(vocab: int, loss: str) -> dict:
     state_bytes = sum(x.dtype.itemsize * math.prod(sh.shard_shape(x.shape))
                       for x, sh in zip(jax.tree.leaves(program.abstract_state),
                                        jax.tree.leaves(program.state_shardings)))
-    hosts = len({getattr(d, "process_index", 0) for d in devices}) or 1
-    return dict(V=vocab, loss=loss, strategy=cfg.loss, mesh=dict(program.mesh.shape), shape=per_chip(cfg),
+    hosts = len({getattr(d, "process_index", 0) for d in devices})   # the topology's hosts (64 on v5e-256)
+    shape = per_chip(cfg)
+    if program.rows != shape["V_chip"] * 256:
+        raise RuntimeError(f"per_chip gives {shape['V_chip']} table rows a chip, the compiled step "
+                           f"{program.rows} / 256: the chip's times would be of another shape")
+    return dict(V=vocab, loss=loss, strategy=cfg.loss, mesh=dict(program.mesh.shape), shape=shape,
                 hbm_bytes=int(rep["total"]), xla_hbm_bytes=int(xla), collective_bytes=collective_bytes(hlo, len(devices)),
-                state_bytes_per_chip=int(state_bytes), chips_per_host=max(1, len(devices) // hosts) if hosts > 1
-                else CHIPS_PER_HOST, compile_s=round(time.perf_counter() - t0, 1))
+                state_bytes_per_chip=int(state_bytes), chips_per_host=len(devices) // hosts,
+                compile_s=round(time.perf_counter() - t0, 1))
 
 
 def record(chip_path: str, out_path: str, vocabs=VOCABS, probe_path: Optional[str] = None) -> dict:

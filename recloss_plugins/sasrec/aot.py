@@ -41,9 +41,8 @@ def compile_step(cfg, devices, vocab: int, batch_size: Optional[int] = None, dum
     XLA also writes the compiled module and its buffer analysis there (`recloss.aot.read`)."""
     mesh = parallel.build_mesh(cfg, devices, num_slices=cfg.compile_topology_num_slices)
     program = build_program(cfg, mesh, vocab, batch_size=batch_size)
-    lowered = program.train_step.lower(program.abstract_state, program.abstract_batch(), program.abstract_inputs())
     options = None if dump_to is None else aot.dump_options(dump_to)
-    compiled = lowered.compile(compiler_options=options)
+    compiled = program.lowered_train_step().compile(compiler_options=options)
     return compiled, aot.memory_report(compiled), program
 
 

@@ -208,12 +208,15 @@ class Program:
     inputs_shardings: Dict[str, NamedSharding] = dataclasses.field(default_factory=dict)   # `step_inputs`
     _compiled: Any = dataclasses.field(default=None, repr=False)
 
+    def lowered_train_step(self):
+        """The train step lowered for the abstract state, batch and step inputs."""
+        return self.train_step.lower(self.abstract_state, self.abstract_batch(), self.abstract_inputs())
+
     def compiled_train_step(self):
         """The train step compiled for the abstract state and batch (once per Program)."""
         if self._compiled is None:
             with pinned_random():
-                self._compiled = self.train_step.lower(self.abstract_state, self.abstract_batch(),
-                                                       self.abstract_inputs()).compile()
+                self._compiled = self.lowered_train_step().compile()
         return self._compiled
 
     def abstract_inputs(self):

@@ -34,8 +34,8 @@ from typing import Callable, List, Optional
 import numpy as np
 
 from recloss_plugins.sasrec.data.errors import DataError
-from recloss_plugins.sasrec.data.shards import (FORMAT, MANIFEST, WRITER_OPTIONS, ShardError, file_sha256,
-                                                shard_name)
+from recloss_plugins.sasrec.data.shards import (FORMAT, MANIFEST, VOCAB, WRITER_OPTIONS, ShardError, file_sha256,
+                                                shard_name, write_vocab)
 from recloss_plugins.sasrec.data.storage import as_path, make_dir
 from recloss_plugins.sasrec.data.stream import iter_chunks
 
@@ -132,9 +132,7 @@ def prepare(cfg, *, log: Callable = print, progress_stream=None, work_dir: Optio
         log(f"prepare: {U:,} users kept, {vocab.size:,} items ({time.perf_counter() - t0:.1f}s)")
         make_dir(out, "prepared_data_path")
         shard_info, lengths, pop = _write_shards(out, tmp, K, S, L, U, vocab, vocab_hash, progress_stream)
-        raw_ids = np.concatenate([vocab[:1], vocab])
-        with (out / "vocab.npy").open("wb") as f:
-            np.save(f, raw_ids, allow_pickle=raw_ids.dtype == object)
+        write_vocab(out / VOCAB, np.concatenate([vocab[:1], vocab]))     # no pickle: read_vocab
         with (out / "popularity.npy").open("wb") as f:
             np.save(f, pop)
         manifest = {"format": FORMAT, "vocab_hash": vocab_hash, "num_users": int(U),

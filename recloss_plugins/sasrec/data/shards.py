@@ -3,7 +3,9 @@
 A prepared directory (local or gs://, `storage.as_path`) holds
 
     prepared.json                    the manifest: vocabulary hash, counts, filters, the shard list
-    vocab.npy                        [num_items + 1] raw item ids (entry 0, padding, repeats entry 1)
+    vocab.npy                        [num_items + 1] raw item ids (entry 0, padding, repeats entry 1):
+                                     numbers as read, strings as fixed-width unicode (<U{n}); never a
+                                     pickled object array (`write_vocab`, `read_vocab`)
     popularity.npy                   [num_items + 1] int64 train-region item counts (for num_labels)
     part-SSSSS-of-NNNNN.arrayrecord  one ArrayRecord file per shard
 
@@ -32,6 +34,7 @@ from recloss_plugins.sasrec.data.storage import as_path
 
 FORMAT = "recloss-sequences/1"
 MANIFEST = "prepared.json"
+VOCAB = "vocab.npy"
 HEADER_RECORDS = 2          # header, lengths
 WRITER_OPTIONS = "group_size:1"
 READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"   # random access
@@ -92,8 +95,72 @@ def load_manifest(path) -> Manifest:
         raise ShardError(f"{str(f)!r} is not valid JSON: {err}") from err
     if m.get("format") != FORMAT:
         raise ShardError(f"{str(f)!r} has format {m.get('format')!r}, expected {FORMAT!r}")
+    vocab = root / VOCAB
+    if vocab.exists():
+        with vocab.open("rb") as fv:
+            _vocab_dtype(fv, vocab)       # a pickled vocabulary refuses the folder, unread
     return Manifest(str(root), m["vocab_hash"], int(m["num_users"]), int(m["num_items"]),
                     int(m["num_interactions"]), int(m["num_labels"]), tuple(m["shards"]), m["source"])
+
+
+def write_vocab(path, raw_ids) -> np.ndarray:
+    """Writes the raw item ids ``raw_ids`` [num_items + 1] to ``path`` (local or gs://) as a .npy that
+    loads without pickle: numbers as they are, strings (an object array of str) as fixed-width unicode
+    ``<U{longest}``. Returns the array written."""
+    a = np.asarray(raw_ids)
+    if a.dtype.hasobject:
+        if not all(isinstance(x, str) for x in a.flat):
+            kinds = sorted({type(x).__name__ for x in a.flat})
+            raise DataError(f"item ids of types {kinds} cannot be stored without pickle: expected numbers or "
+                            "strings")
+        a = a.astype(str)
+    with as_path(path, "prepared_data_path").open("wb") as f:
+        np.save(f, np.ascontiguousarray(a), allow_pickle=False)
+    return a
+
+
+def _vocab_dtype(f, path) -> np.dtype:
+    """The dtype of the .npy open as ``f``, read from its header alone; ShardError for an object array
+    (a pickle, which is never loaded) or a file that is not a .npy."""
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(f)
+        read = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
+        if read is None:
+            raise ValueError(f".npy format version {version} (np.save writes 1.0 or 2.0 for an array of ids)")
+        _, _, dtype = read(f)
+    except ValueError as err:
+        raise ShardError(f"{str(path)!r} is not a .npy file of item ids: {err}; prepare again") from err
+    if dtype.hasobject:
+        raise ShardError(f"{str(path)!r} holds a pickled object array, and recloss does not unpickle a prepared "
+                         "folder (whoever can write to it, a shared bucket, could run code in every reader): "
+                         "re-run recloss-prepare-data into a new prepared_data_path (or delete the folder, for "
+                         "recloss-train to prepare its cache again); it stores string ids as fixed-width "
+                         "unicode, which loads without pickle")
+    return dtype
+
+
+def read_vocab(manifest: "Manifest") -> np.ndarray:
+    """[num_items + 1] the raw item ids of a preparation (`VOCAB`): entry i is dense id i's original id
+    (entry 0, padding, repeats entry 1). Loaded with ``allow_pickle=False``, memory-mapped on a local
+    disk; ShardError (never unpickling it) for a pickled object array, or a length other than the
+    manifest's num_items + 1."""
+    path = as_path(manifest.path, "prepared_data_path") / VOCAB
+    if not path.exists():
+        raise ShardError(f"prepared_data_path {manifest.path!r} has no {VOCAB}; copy the whole prepared "
+                         "directory or prepare again")
+    remote = str(path).startswith("gs://")
+    with path.open("rb") as f:
+        _vocab_dtype(f, path)
+        if remote:
+            f.seek(0)
+            raw = np.load(f, allow_pickle=False)
+    if not remote:
+        raw = np.load(os.fspath(path), mmap_mode="r", allow_pickle=False)
+    if raw.shape != (manifest.vocab_size,):
+        raise ShardError(f"{str(path)!r} holds {raw.shape} ids, but {MANIFEST} says {manifest.num_items} items "
+                         f"(+1 padding = {manifest.vocab_size}); prepare again")
+    return raw
 
 
 def file_sha256(path) -> str:

@@ -135,6 +135,60 @@ def test_final_logits_soft_cap_is_the_logit_soft_cap_where_maxtext_applies_it(lo
 
 
 @pytest.mark.tier1
+@pytest.mark.parametrize("batch,length,want", [
+    (1, 8, 2), (2, 4096, 2), (1, 9, 3), (1, 49, 7), (1, 13, 13), (0.5, 14, 7), (4.0, 2048, 2), (0, 14, 2)])
+def test_pick_num_vocab_tiling_is_the_smallest_value_maxtext_accepts(batch, length, want):
+    k, why = rm.pick_num_vocab_tiling(batch, length)
+    assert k == want
+    if batch > 0:   # MaxText's own check: the per-device tokens split into k tiles
+        assert (batch * length) % k == 0 and all((batch * length) % d for d in range(2, k))
+        assert f"{k} is the smallest value > 1 that divides the {int(batch * length):,} tokens per device " \
+               f"(per_device_batch_size={batch} x max_target_length={length}), as MaxText requires" in why
+    else:
+        assert f"with per_device_batch_size={batch} MaxText checks no divisibility, so 2" in why
+    for batch, length in ((0.125, 8), (1, 1), (0.3, 5)):     # 1 token, 1 token, 1.5 tokens: no k > 1 divides
+        with pytest.raises(ValueError, match=rf"num_vocab_tiling: .*tokens per device \(per_device_batch_size="
+                                             rf"{batch} x max_target_length={length}\), which no value > 1 does"):
+            rm.pick_num_vocab_tiling(batch, length)
+
+
+@pytest.mark.tier1
+def test_config_class_picks_num_vocab_tiling_before_maxtext_checks_it(capsys):
+    pydantic = pytest.importorskip("pydantic", reason="pydantic is not installed (MaxText's config needs it)")
+    seen = []
+
+    class Base(pydantic.BaseModel):           # MaxText's config as far as num_vocab_tiling goes
+        model_config = pydantic.ConfigDict(extra="forbid")
+        num_vocab_tiling: int = 1
+        per_device_batch_size: float = 1.0
+        max_target_length: int = 9
+        z_loss_multiplier: float = 0.0
+
+        @pydantic.model_validator(mode="after")
+        def maxtext_checks(self):
+            seen.append(self.num_vocab_tiling)
+            if (self.per_device_batch_size * self.max_target_length) % self.num_vocab_tiling:
+                raise ValueError("Per device batch size times sequence length should be divisible by the number "
+                                 "of vocab tiles.")
+            return self
+
+    cls = rm.config_class(Base)
+    cfg = cls(loss="cutce_pallas")
+    assert cfg.num_vocab_tiling == 3 and seen == [3]         # MaxText's own check saw the pick
+    out = capsys.readouterr().out
+    assert out.startswith("recloss: num_vocab_tiling=3 (picked; the config has 1): the recloss loss needs "
+                          "num_vocab_tiling > 1") and out.count("\n") == 1
+    assert "3 is the smallest value > 1 that divides the 9 tokens per device (per_device_batch_size=1.0 x " \
+           "max_target_length=9), as MaxText requires" in out
+    assert cls(loss="cutce_pallas", per_device_batch_size=2, max_target_length=4096).num_vocab_tiling == 2
+    assert "2 is the smallest value > 1 that divides the 8,192 tokens per device" in capsys.readouterr().out
+    assert cls(loss="cutce", num_vocab_tiling=4, max_target_length=8).num_vocab_tiling == 4    # a value set stays,
+    assert capsys.readouterr().out == ""                                                         # unreported
+    with pytest.raises(pydantic.ValidationError, match=r"no value > 1 does; raise per_device_batch_size"):
+        cls(loss="cutce", per_device_batch_size=0.125, max_target_length=8)
+
+
+@pytest.mark.tier1
 def test_config_class_on_a_pydantic_base():
     pydantic = pytest.importorskip("pydantic", reason="pydantic is not installed (MaxText's config needs it)")
 
@@ -780,8 +834,31 @@ def test_maxtext_pyconfig_accepts_recloss_keys(maxtext):
                        ("label_smoothing=1.5", "label_smoothing")):
         with pytest.raises(Exception, match=match):
             _initialize(maxtext, "num_vocab_tiling=2", bad)
-    with pytest.raises(Exception, match="num_vocab_tiling"):
-        _initialize(maxtext, "loss=cutbce")  # base.yml has num_vocab_tiling=1
+    assert _initialize(maxtext, "loss=cutbce").num_vocab_tiling == 2  # base.yml has 1: the plugin picks one
+
+
+@pytest.mark.tier2
+@pytest.mark.stack
+def test_maxtext_pyconfig_picks_and_reports_num_vocab_tiling(maxtext, capsys):
+    """MaxText's base.yml leaves num_vocab_tiling at 1, which the recloss loss cannot run with: the config class
+    picks the smallest value > 1 that MaxText's own check accepts, and says so."""
+    for overrides, want, tokens in ((("loss=cutce_pallas",), 2, 8),
+                                    (("loss=cutce_pallas", "max_target_length=9"), 3, 9),
+                                    (("loss=cutbce", "per_device_batch_size=3", "max_target_length=5"), 3, 15)):
+        capsys.readouterr()
+        cfg = _initialize(maxtext, *overrides)
+        assert cfg.num_vocab_tiling == want, overrides
+        out = capsys.readouterr().out
+        assert f"recloss: num_vocab_tiling={want} (picked; the config has 1): the recloss loss needs " \
+               "num_vocab_tiling > 1" in out, out
+        assert f"{want} is the smallest value > 1 that divides the {tokens} tokens per device" in out, out
+    assert _initialize(maxtext, "loss=cutce", "num_vocab_tiling=4").num_vocab_tiling == 4     # set: kept
+    assert "picked" not in capsys.readouterr().out
+    with pytest.raises(Exception, match=r"tokens per device \(per_device_batch_size=0.125 x max_target_length=8\), "
+                                        r"which no value > 1 does"):
+        _initialize(maxtext, "loss=cutce", "per_device_batch_size=0.125")
+    with pytest.raises(Exception, match="divisible by the number of vocab tiles"):   # MaxText's own check
+        _initialize(maxtext, "loss=cutce", "num_vocab_tiling=3")
 
 
 @pytest.mark.tier2
@@ -797,8 +874,7 @@ def test_maxtext_pyconfig_soft_cap_keys_and_errors(maxtext):
     for bad, match in (("logit_soft_cap=0", r"loss config key 'logit_soft_cap'=0.0 is rejected"),
                        ("logit_soft_cap=-2", r"'logit_soft_cap'=-2.0 is rejected"),
                        ("loss=cutce_palas", r"'loss'='cutce_palas' is not a recloss strategy.*did you mean "
-                                            r"'cutce_pallas'"),
-                       ("num_vocab_tiling=1", r"num_vocab_tiling=1: the recloss loss needs num_vocab_tiling > 1")):
+                                            r"'cutce_pallas'")):
         with pytest.raises(Exception, match=match):
             _initialize(maxtext, "num_vocab_tiling=2", "loss=cutce", bad)
     with pytest.raises(Exception, match=r"logit_soft_cap=20.0 and MaxText's final_logits_soft_cap=30.0"):

@@ -7,7 +7,10 @@ Every key has a declared type and check (`keys.SCHEMA`); unknown keys, bad
 types and bad values raise `ConfigError` naming the key before any work runs.
 `LOSS_OPTION_KEYS` maps config keys to `recloss.LossOptions` fields for every
 plugin (`build_loss_options`); `check_strategy_options` rejects, naming the key,
-an option the chosen strategy's objective does not take (``loss=cutce pos_weight=2``).
+an option the chosen strategy's objective does not take (``loss=cutce pos_weight=2``). Keys that only
+fail together fail at load too, naming each (``loss=dense_bce loss_fsdp_gather=ring``, a sampled loss's
+``num_negatives`` beyond a vocabulary the config fixes: `check_vocab`, a ``global_batch_size`` the
+data × fsdp degrees or the shards recloss-train prepares do not divide).
 """
 
 from recloss_plugins.config.keys import FSDP_GATHER_VALUES, SCHEMA, Key, loss_options
@@ -23,6 +26,7 @@ from recloss_plugins.config.loss_keys import (
 )
 from recloss_plugins.config.pyconfig import (
     ConfigError,
+    check_vocab,
     command_config,
     default_config_path,
     dump_config,
@@ -41,6 +45,7 @@ __all__ = [
     "LossOptionError",
     "build_loss_options",
     "check_strategy_options",
+    "check_vocab",
     "command_config",
     "default_config_path",
     "dump_config",

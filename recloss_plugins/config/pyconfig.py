@@ -225,9 +225,10 @@ def _check_all(cfg: dict, where: dict):
             fail(err.key, f"is invalid: {err.reason}")
         raise ConfigError(f"loss options are invalid: {err.reason}") from err
     try:
-        recloss.get_strategy(cfg["loss"], options)
+        strategy = recloss.get_strategy(cfg["loss"], options)
     except (ValueError, TypeError) as err:  # anything else the strategy refuses
         fail("loss", f"cannot be built with this config's loss options: {err}")
+    _check_loss_combinations(cfg, strategy, fail, where)
     if cfg["item_optimizer"] != "rowwise_adagrad":
         for key in ("item_learning_rate", "item_adagrad_eps", "item_adagrad_initial_accumulator"):
             default = _base_default(key)
@@ -251,14 +252,98 @@ def _check_all(cfg: dict, where: dict):
     if cfg["synthetic_min_len"] > cfg["synthetic_max_len"]:
         fail("synthetic_min_len", f"must be <= synthetic_max_len={cfg['synthetic_max_len']}, "
              f"got {cfg['synthetic_min_len']}")
+    if cfg["synthetic_num_intents"] > cfg["synthetic_num_items"]:
+        fail("synthetic_num_intents", f"must be <= synthetic_num_items={cfg['synthetic_num_items']} (each intent "
+             f"is a cluster of items), got {cfg['synthetic_num_intents']}")
     if cfg["synthetic_intents_per_user"] > cfg["synthetic_num_intents"]:
         fail("synthetic_intents_per_user", f"must be <= synthetic_num_intents="
              f"{cfg['synthetic_num_intents']}, got {cfg['synthetic_intents_per_user']}")
     if cfg["vocab_size"] and cfg["vocab_size"] < 2:
         fail("vocab_size", f"must be 0 (from the data) or >= 2 (padding + one item), got {cfg['vocab_size']}")
+    ids = cfg["synthetic_num_items"] + 1
+    if cfg["dataset_type"] == "synthetic" and cfg["vocab_size"] and cfg["vocab_size"] < ids:
+        fail("vocab_size", f"is {cfg['vocab_size']}, but synthetic_num_items={cfg['synthetic_num_items']} makes "
+             f"{ids} ids with the padding id; set vocab_size: 0 or >= {ids}")
+    known = _known_vocab_size(cfg)
+    if known is not None:
+        check_vocab(cfg, *known, where=where)
+    _check_batch_split(cfg, fail)
     if cfg["compile_topology"] and cfg["vocab_size"] == 0 and cfg["dataset_type"] != "synthetic":
         fail("vocab_size", "must be set (> 0) with compile_topology: ahead-of-time compilation "
              "does not read the dataset")
+
+
+def _check_loss_combinations(cfg: dict, strategy, fail, where: dict):
+    """The loss keys that are not `recloss.LossOptions` fields, against the strategy they go with:
+    ``loss_fsdp_gather`` (`recloss.check_fsdp_gather`, the check the loss itself makes at trace time) and
+    ``sampled_proposal`` (only a sampled loss draws negatives)."""
+    import recloss
+
+    gather = cfg["loss_fsdp_gather"]
+    if gather != "auto":
+        try:
+            recloss.check_fsdp_gather(gather, strategy, key="loss_fsdp_gather")
+        except ValueError as err:
+            fail("loss_fsdp_gather", f"does not go with loss={cfg['loss']!r} ({where.get('loss', '?')}): {err}")
+    proposal, default = cfg["sampled_proposal"], _base_default("sampled_proposal")
+    if proposal != default and strategy.objective != "sampled":
+        sampled = [n for n in recloss.available_strategies() if recloss.get_strategy(n).objective == "sampled"]
+        fail("sampled_proposal", f"is {proposal!r}, but loss={cfg['loss']!r} ({where.get('loss', '?')}, "
+             f"{strategy.objective or 'custom'} objective) draws no negatives: sampled_proposal is for the "
+             f"sampled losses {sampled}; leave it at {default!r} or use one of them")
+
+
+def _known_vocab_size(cfg) -> Optional[tuple]:
+    """(V, what sets it) when the config alone fixes the vocabulary: ``vocab_size`` > 0, or the synthetic
+    set's items and the padding id; None when the data decides (`recloss_plugins.sasrec.train` checks it then)."""
+    if cfg["vocab_size"]:
+        return cfg["vocab_size"], f"vocab_size={cfg['vocab_size']}"
+    if cfg["dataset_type"] == "synthetic":
+        return cfg["synthetic_num_items"] + 1, f"synthetic_num_items={cfg['synthetic_num_items']} + the padding id"
+    return None
+
+
+def check_vocab(cfg, vocab_size: int, source: str, *, where: Optional[dict] = None):
+    """Raises ConfigError, naming the keys, when the config's loss cannot run on a vocabulary of
+    ``vocab_size`` ids (``source`` says what sets it, naming its keys): a sampled loss that draws more
+    negatives than there are ids. The rule is the loss's own (`Strategy.draw_negatives`, which raises it
+    when the step is traced), traced here on shapes alone: no device work, no backend started."""
+    import jax
+    import recloss
+
+    strategy = recloss.get_strategy(cfg["loss"], loss_options(cfg, vocab_size=vocab_size))
+    if strategy.objective != "sampled":
+        return
+    try:
+        jax.eval_shape(lambda: strategy.draw_negatives(jax.random.key(0), None, vocab_size=vocab_size))
+    except ValueError as err:
+        at = f" ({where.get('num_negatives', '?')})" if where else ""
+        raise ConfigError(f"config key 'num_negatives'{at} is {cfg['num_negatives']}, more than the V={vocab_size} "
+                          f"ids there are ({source}) with loss={cfg['loss']!r}: {err}") from None
+
+
+def _check_batch_split(cfg: dict, fail):
+    """``global_batch_size`` against the splits the config alone fixes: the data × fsdp degrees when none
+    of them is -1 (with one, `recloss_plugins.sasrec.train` checks the split when the mesh is built, before
+    the data is read), and, when recloss-train prepares the log itself, ``prepare_num_shards`` (each step
+    takes B/S rows of every shard). Both were found only after the data was loaded (or prepared)."""
+    b = cfg["global_batch_size"]
+    if not b:
+        return
+    keys = [f"{group}_{axis}_parallelism" for group in ("ici", "dcn") for axis in ("data", "fsdp")]
+    if all(cfg[k] >= 1 for k in keys):
+        shards = math.prod(cfg[k] for k in keys)
+        if b % shards:
+            named = [k for k in keys if cfg[k] > 1]
+            product = " x ".join(f"{k}={cfg[k]}" for k in named) + (f" = {shards}" if len(named) > 1 else "")
+            fail("global_batch_size", f"is {b}, which does not split over the batch shards (the batch is split "
+                 f"over data x fsdp): {product}; use a multiple of {shards}")
+    grain = cfg["dataset_type"] != "synthetic" and cfg["data_pipeline"] == "grain"
+    if grain and not cfg["prepared_data_path"] and b % cfg["prepare_num_shards"]:
+        s = cfg["prepare_num_shards"]
+        fail("global_batch_size", f"is {b}, which does not divide over prepare_num_shards={s}: with "
+             f"prepared_data_path empty recloss-train prepares the log into {s} shards, and each step takes "
+             f"B/{s} rows of every shard; use a multiple of {s}, or a prepare_num_shards that divides {b}")
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -26,6 +26,7 @@ from recloss_plugins.maxtext.config import (
     layout_for,
     loss_settings,
     maxtext_soft_cap,
+    pick_num_vocab_tiling,
 )
 from recloss_plugins.maxtext.loss import (
     install,
@@ -51,6 +52,7 @@ __all__ = [
     "loss_settings",
     "maxtext_soft_cap",
     "output_table",
+    "pick_num_vocab_tiling",
     "uninstall",
     "vocab_loss",
 ]

@@ -61,9 +61,12 @@ error naming both.
 
 Checked at load time (a clear error before any work): the strategy name (with
 the closest names), every option's value (``logit_soft_cap`` <= 0 among them),
-the strategy built with them, and the MaxText settings the recloss loss needs
-(``num_vocab_tiling > 1`` so the decoder hands back hidden states, the z-loss
-and the soft cap as above).
+the strategy built with them, ``loss_fsdp_gather`` against the strategy and the
+mesh keys, and the MaxText settings the recloss loss needs (the z-loss and the
+soft cap as above). ``num_vocab_tiling`` must be > 1 so the decoder hands back
+hidden states; a config that leaves it at MaxText's 1 gets one picked and printed
+(`pick_num_vocab_tiling`: the smallest value > 1 that MaxText accepts, i.e. that
+divides the per-device tokens).
 """
 
 from __future__ import annotations
@@ -365,6 +368,55 @@ def mesh_platform(mesh) -> Optional[str]:
     return getattr(devices.flat[0], "platform", None)
 
 
+def pick_num_vocab_tiling(per_device_batch_size, max_target_length) -> Tuple[int, str]:
+    """(k, why): the ``num_vocab_tiling`` the recloss loss runs with when a config leaves it at 1
+    (MaxText's default), and why: the rule, in words, for the line that reports the pick.
+
+    The recloss loss needs k > 1 only so that MaxText's decoder hands back hidden states instead of
+    [batch, length, vocab] logits; k itself sizes MaxText's own tiled loss, which the recloss loss
+    replaces (it walks the vocabulary in its own blocks, ``loss_block_v``). MaxText accepts k when it
+    divides the per-device tokens, ``per_device_batch_size`` × ``max_target_length`` (its config check;
+    with ``per_device_batch_size`` <= 0 it checks nothing). The pick is the smallest such k > 1: 2 when
+    the token count is even. Raises ValueError, naming the keys, when no k > 1 divides it.
+    """
+    b, t = per_device_batch_size, max_target_length
+    if b <= 0:
+        return 2, ("the recloss loss needs num_vocab_tiling > 1 (MaxText's decoder then returns hidden states, not "
+                   f"logits), and with per_device_batch_size={b} MaxText checks no divisibility, so 2; set "
+                   "num_vocab_tiling to choose another")
+    tokens = b * t
+    n = int(tokens) if float(tokens).is_integer() else 0
+    if n < 2:
+        raise ValueError(f"num_vocab_tiling: the recloss loss needs num_vocab_tiling > 1 (so that MaxText's decoder "
+                         f"returns hidden states, not logits), and MaxText takes only a value that divides the "
+                         f"{tokens:g} tokens per device (per_device_batch_size={b} x max_target_length={t}), which "
+                         "no value > 1 does; raise per_device_batch_size or max_target_length")
+    k = next((d for d in range(2, math.isqrt(n) + 1) if n % d == 0), n)
+    return k, ("the recloss loss needs num_vocab_tiling > 1 (MaxText's decoder then returns hidden states, not "
+               f"logits), and {k} is the smallest value > 1 that divides the {n:,} "
+               f"tokens per device (per_device_batch_size={b} x max_target_length={t}), as MaxText requires; "
+               "the value sizes only MaxText's own tiled loss, which the recloss loss replaces (set "
+               "num_vocab_tiling to choose another)")
+
+
+def _with_num_vocab_tiling(cls, values, log=None):
+    """``values`` (the keyword arguments a config class is built from, before validation) with
+    ``num_vocab_tiling`` picked (`pick_num_vocab_tiling`, the pick logged) when it is <= 1 and the class
+    has the batch and length keys to pick by; else as given (the checks then name what is wrong)."""
+    fields = getattr(cls, "model_fields", {})
+    needed = ("num_vocab_tiling", "per_device_batch_size", "max_target_length")
+    if not isinstance(values, dict) or not all(k in fields for k in needed):
+        return values
+    tiles, b, t = (values.get(k, fields[k].default) for k in needed)
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+    if not (number(tiles) and number(b) and number(t)) or tiles > 1:
+        return values
+    k, why = pick_num_vocab_tiling(b, t)
+    (log or functools.partial(print, flush=True))(f"recloss: num_vocab_tiling={k} (picked; the config has {tiles}): "
+                                                  f"{why}")
+    return {**values, "num_vocab_tiling": k}
+
+
 def check_supported(config):
     """Raises ValueError when ``config`` asks for something the recloss MaxText loss cannot do.
 
@@ -383,7 +435,8 @@ def check_supported(config):
         raise ValueError(f"num_vocab_tiling={tiles}: the recloss loss needs num_vocab_tiling > 1 so that "
                          "MaxText's decoder returns hidden states instead of [batch, length, vocab] logits; "
                          "any value > 1 that divides per_device_batch_size * max_target_length works "
-                         "(recloss walks the vocabulary in its own blocks, loss_block_v)")
+                         "(recloss walks the vocabulary in its own blocks, loss_block_v), and config_class() "
+                         "picks the smallest itself when the config leaves it at 1")
     z = getattr(config, "z_loss_multiplier", 0.0)
     if z and "z_loss" not in strategy.options_supported:
         softmax = [n for n in recloss.available_strategies()
@@ -396,7 +449,10 @@ def check_supported(config):
         raise ValueError(f"num_negatives={options.num_negatives}: strategy {name!r} draws at most vocab_size={vocab} "
                          "negatives per step; lower num_negatives")
     batch_axes, _, _, gather = _mesh_axes(config)
-    _check_gather(gather, strategy)
+    try:
+        _check_gather(gather, strategy)
+    except ValueError as err:
+        raise ValueError(f"loss_fsdp_gather does not go with loss={name!r}: {err}") from None
     if gather in ("ring", "rows") and not batch_axes and strategy.xla_partitions("tpu"):
         raise _no_shard_map(gather, name)
 
@@ -418,8 +474,10 @@ def config_class(base: Optional[type] = None) -> type:
     """A subclass of MaxText's config type (default ``maxtext.configs.types.MaxTextConfig``) with `FIELDS`.
 
     Pass it as ``pyconfig.initialize(argv, config_class=config_class())``.
-    Validation (after MaxText's own) runs `check_supported`; its ValueError
-    surfaces as MaxText's config error naming the key.
+    Before MaxText's own validation a ``num_vocab_tiling`` <= 1 is replaced by
+    `pick_num_vocab_tiling`'s pick, printed as one ``recloss:`` line. Validation
+    (after MaxText's own) runs `check_supported`; its ValueError surfaces as
+    MaxText's config error naming the key.
     """
     import pydantic
 
@@ -434,11 +492,18 @@ def config_class(base: Optional[type] = None) -> type:
     fields = {name: (_annotation(key.type), pydantic.Field(key.default, description=key.description))
               for name, key in FIELDS.items()}
 
+    def _pick_recloss_tiling(cls, values):
+        return _with_num_vocab_tiling(cls, values)
+
     def _check_recloss(self):
         check_supported(self)
         return self
 
+    # The pick runs before every validation of the base (MaxText's own num_vocab_tiling checks see it);
+    # check_supported after them.
     return pydantic.create_model(
         f"Recloss{base.__name__}", __base__=base, __module__=__name__,
-        __validators__={"_check_recloss": pydantic.model_validator(mode="after")(_check_recloss)},
+        __validators__={"_pick_recloss_tiling": pydantic.model_validator(mode="before")(
+                            classmethod(_pick_recloss_tiling)),
+                        "_check_recloss": pydantic.model_validator(mode="after")(_check_recloss)},
         **fields)

@@ -25,7 +25,7 @@ from typing import Dict, Optional
 import jax
 import numpy as np
 
-from recloss_plugins.config import ConfigError, command_config, dump_config
+from recloss_plugins.config import ConfigError, check_vocab, command_config, dump_config
 from recloss_plugins.sasrec import data as data_lib
 from recloss_plugins.sasrec import distributed
 from recloss_plugins.sasrec import eval as eval_lib
@@ -35,7 +35,7 @@ from recloss_plugins.sasrec.checkpoints import Checkpoints
 from recloss_plugins.sasrec.logging_utils import (MetricsWriter, Progress, format_duration, format_eval,
                                                   format_loss_metrics, loss_metrics)
 from recloss.aot import format_memory, memory_report
-from recloss_plugins.sasrec.program import Program, counts_any, program_for, proposal_of
+from recloss_plugins.sasrec.program import Program, counts_any, global_batch_size, program_for, proposal_of
 
 USAGE = """usage: recloss-train [CONFIG.yml] [key=value ...]
 
@@ -106,6 +106,7 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
     say = log if is_main else (lambda *a, **k: None)
     devices = list(jax.devices() if devices is None else devices)
     mesh = parallel.build_mesh(cfg, devices)
+    global_batch_size(cfg, parallel.layout_for(mesh), len(devices))   # its split, before any data is read
     run_dir = _run_dir(cfg)  # before any work: a bad gs:// URL, missing credentials or bucket fail here
     if is_main:
         data_lib.make_dir(run_dir, "base_output_directory")
@@ -125,6 +126,8 @@ def train(cfg, *, devices=None, dataset: Optional[data_lib.Dataset] = None, stop
             raise ConfigError(f"config key 'vocab_size' is {cfg.vocab_size}, but the data has "
                               f"{vocab - 1} items (+1 padding = {vocab}); set vocab_size: 0 or >= {vocab}")
         vocab = cfg.vocab_size
+    else:   # the data set V: the loss's limits on it (checked at load when the config fixes V)
+        check_vocab(cfg, vocab, f"the data's {vocab - 1} items + the padding id")
     if isinstance(ds, pipeline_lib.GrainData):
         if ds.staged is not None:
             st = ds.staged

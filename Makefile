@@ -106,6 +106,13 @@ quality: $(STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(PY) -m tools.quality configs/base.yml \
 	  $(if $(DATA),dataset_type=interactions dataset_path=$(DATA)) $(QUALITY_ARGS)
 
+# Single-point mutants of the library, each run against the first-tier tests named to catch it in a clean copy
+# of the tree (tools/mutants.py; ≤ 20 minutes on 2 cores), the run appended to docs/figures/data/mutants.json,
+# which docs/development.md renders. MUTANTS_ARGS: e.g. --only NAME,NAME --seed N --no-record.
+.PHONY: mutants
+mutants: $(STAMP)
+	$(PY) -m tools.mutants $(MUTANTS_ARGS)
+
 # The documentation site, offline, warnings as errors (-W -n: broken internal links and references fail).
 # Benchmark tables are filled from docs/figures/ at build time (docs/_ext/recloss_figures.py).
 docs: $(STAMP)

@@ -8,6 +8,7 @@ Test modules import from here (and the float64 oracles from `oracle`), never fro
 from __future__ import annotations
 
 import functools
+import os
 import re
 from typing import Dict
 
@@ -103,9 +104,25 @@ def rel_err(got, ref, floor=0.0):
     return num / den if den > 0 else num
 
 
+# RECLOSS_TEST_MARGINS=PATH: every `assert_close` and entry-wise oracle check appends (test, what, error,
+# tolerance) to PATH as a JSON line, so a run of the suite shows which checks sit near their tolerance.
+MARGINS_ENV = "RECLOSS_TEST_MARGINS"
+
+
+def note_margin(what: str, err: float, tol: float):
+    """Appends one check's error and tolerance to $RECLOSS_TEST_MARGINS (when set)."""
+    path = os.environ.get(MARGINS_ENV)
+    if path:
+        import json
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+        with open(path, "a") as f:
+            f.write(json.dumps(dict(test=test, what=what, err=float(err), tol=float(tol))) + "\n")
+
+
 def assert_close(got, ref, tol, what, floor=0.0):
     assert np.all(np.isfinite(f64(got))), f"{what}: non-finite values"
     err = rel_err(got, ref, floor)
+    note_margin(what, err, tol)
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
 
 
@@ -129,6 +146,201 @@ def cancel_floor(scale, tol: float) -> float:
     if jax.default_backend() == "tpu":
         factor = max(factor, TPU_TRANSCENDENTAL_ERR / tol)
     return factor * float(np.linalg.norm(np.ravel(scale)))
+
+
+# ------------------------------------------------------------------------- inputs with planted boundaries
+BV = 128             # block_v of the boundary cases: the kernels' least vocab block
+PAD_LOGIT = 6.0      # every row's logit at every padding row (+1 with a bias)
+PLANT_LOGIT = 4.0    # a row's logit at its planted target
+
+
+def block_edges(v: int, bv: int = BV, lo: int = 0):
+    """The first and last live id of every block of ``bv`` ids in [lo, v) (and v − 1)."""
+    ids = set()
+    for start in range(lo, v, bv):
+        ids.update((start, min(start + bv, v) - 1))
+    return sorted(ids)
+
+
+def twins_of(plant, v: int, offsets):
+    """(c, (c + offset) mod v) for each planted column c, the offsets taken in turn, where that id is not
+    planted and not taken yet: the column pairs whose logits `planted_case` makes tie exactly."""
+    out, taken = [], set(plant)
+    for i, c in enumerate(plant):
+        twin = (c + offsets[i % len(offsets)]) % v
+        if twin not in taken:
+            out.append((c, twin))
+            taken.add(twin)
+    return out
+
+
+def planted_case(rng, *, m, v, rows, plant, d=16, l=6, bias=True, dtype=jnp.float32, pad_id=-1,
+                 plant_logit=PLANT_LOGIT, other_logit=None, twins=()):
+    """hidden [m, d], table [rows, d], targets [m, l], weights [m] (multiples of 1/4, row 1 zero), bias.
+
+    Coordinate 0 is 1 in every hidden row and ``PAD_LOGIT`` in every padding row (ids ≥ v) of the table;
+    coordinate 1 + j belongs to planted column ``plant[j]``: rows i ≥ 1 with i − 1 ≡ j (mod len(plant))
+    have 1 there and the table row ``plant[j]`` has ``plant_logit`` (with ``other_logit``, every other row
+    has other_logit / plant_logit there: the column is then strongly negative for the rows not planted on
+    it). The other coordinates are noise (logits ≈ N(0, 0.25)). Targets per row: its planted column, a
+    live id that is not planted, an invalid id (v: a padding row when rows > v; rows; −2), the planted
+    column again (a duplicate two places later), a live id that is not planted, pad_id; row 0 is all
+    padding and planted on no column. ``twins``: (c, c′) pairs (`twins_of`): table row and bias c′ are
+    copies of c's, so every row's logits tie exactly there (the softmax argmax takes the smaller id).
+    """
+    k = len(plant)
+    noise = d - 1 - k
+    assert noise >= 4, (d, k)
+    h = np.zeros((m, d))
+    h[:, 0] = 1.0
+    h[:, 1 + k:] = rng.normal(size=(m, noise))
+    e = np.zeros((rows, d))
+    e[:, 1 + k:] = rng.normal(size=(rows, noise)) * (0.5 / np.sqrt(noise))
+    e[v:, 0] = PAD_LOGIT
+    own = np.where(np.arange(m) == 0, -1, (np.arange(m) - 1) % k)
+    for j, c in enumerate(plant):
+        assert 0 <= c < v, (c, v)
+        e[c, 1 + j] = plant_logit
+        h[:, 1 + j] = 0.0 if other_logit is None else other_logit / plant_logit
+        h[own == j, 1 + j] = 1.0
+    invalid = np.array([v, rows, -2 if pad_id != -2 else -3])
+    for c, twin in twins:
+        assert 0 <= twin < v and twin not in plant, (c, twin)
+        e[twin] = e[c]
+    unplanted = np.setdiff1d(np.arange(v), list(plant) + [t for _, t in twins])
+    live = lambda: rng.choice(unplanted, size=m)
+    t = np.stack([np.asarray(plant)[own], live(), invalid[np.arange(m) % 3], np.asarray(plant)[own], live(),
+                  np.full(m, pad_id)], axis=1)[:, :l]
+    t[0] = pad_id
+    w = rng.choice([0.25, 0.5, 1.0, 1.5, 2.0], size=m)
+    w[1] = 0.0
+    b = None
+    if bias:
+        b = rng.normal(-0.5, 0.5, size=rows)
+        b[v:] = 1.0
+        for c, twin in twins:
+            b[twin] = b[c]
+    # Multiples of 2⁻⁶: every product and partial sum of a logit is exact in float32, in any order, so twins
+    # tie bit for bit whichever block, lane or shard computes them.
+    cast = lambda x: None if x is None else jnp.asarray(np.round(np.asarray(x) * 64) / 64, dtype)
+    return dict(hidden=cast(h), table=cast(e), targets=jnp.asarray(t, jnp.int32),
+                weights=jnp.asarray(w, jnp.float32), bias=cast(b))
+
+
+# ------------------------------------------------------------------------- the float64 oracle, entry by entry
+def oracle_of(strategy: str):
+    """The float64 oracle of ``strategy``'s objective (`oracle.bce_oracle` or `oracle.softmax_oracle`)."""
+    from oracle import bce_oracle, softmax_oracle
+    objective = recloss.get_strategy(strategy).objective
+    return {"bce": bce_oracle, "softmax": softmax_oracle}[objective]
+
+
+# The float32 work of a strategy on these sizes: each gradient entry is a sum of at most a few thousand
+# float32 terms, within (terms)·2⁻²⁴ of its sum of absolute terms S; 1e-4·S leaves a factor of ten.
+F32_ENTRY_TOL = 1e-4
+
+
+def oracle_check(strategy, case, opts, rng, *, layout=None, evaluate=False, tol_loss=1e-5, tol_grad=1e-4,
+                 entry_tol=F32_ENTRY_TOL, entry_bound=None, exact_counts=None, exact_ties=False):
+    """``strategy`` (a BCE or softmax one) on ``case`` (hidden, table, targets, weights, bias) with
+    options ``opts`` (under ``layout`` when given) against its float64 oracle. Returns (out, grads, ref).
+
+    The differentiated objective is c·loss with a scalar c ≠ 1 drawn from ``rng`` (so a backward that
+    ignores its cotangent shows), or ⟨loss, cot⟩ for reduction='none'. Checked:
+
+    * the loss, relative error ≤ ``tol_loss`` (`cancel_floor` for a loss that cancels);
+    * every gradient (hidden, table, bias, weights), relative error ≤ ``tol_grad`` over the whole
+      array, and entry by entry |g − g₆₄| ≤ ``entry_tol``·S + tiny, S the entry's sum of absolute
+      terms (`oracle.OracleResult.grad_scale`): a defect in one column, row or shard edge moves an
+      entry, whatever the norm of the rest; ``entry_bound(name, S, g₆₄)`` replaces that bound (16-bit
+      dtypes: docs/sharding.md "16-bit gradients");
+    * table and bias rows at or past ``vocab_size`` exactly 0;
+    * the metrics: exact where the weights make them so (``exact_counts``; default: no weights or
+      weights in multiples of 1/4), else within float32 rounding and the oracle's slack;
+    * with ``evaluate``, the loss without a gradient (the custom-VJP primal) equals it.
+
+    ``exact_ties``: the case's only near-ties of the argmax are exact ones (`planted_case`'s twins), which
+    the smallest id must win: top1 is then held to the oracle's with no slack.
+    """
+    opts = dict(opts)
+    objective = recloss.get_strategy(strategy).objective
+    entry = {"bce": recloss.bce_loss, "softmax": recloss.softmax_loss}[objective]
+    names = [n for n in ("hidden", "table", "bias", "weights") if case[n] is not None]
+    none = opts.get("reduction") == "none"
+    lead = case["hidden"].shape[:-1]
+    cot = (jnp.asarray(rng.normal(size=lead), jnp.float32) if none
+           else float(rng.choice([-2.5, -1.5, 1.75, 3.0])))
+
+    def call(args, targets):
+        kw = dict(zip(names, args))
+        return entry(kw["hidden"], kw["table"], targets, kw.get("weights"), kw.get("bias"), strategy=strategy,
+                     layout=layout, **options_for(strategy, opts))
+
+    def objective_fn(args, targets):
+        out = call(args, targets)
+        return (jnp.vdot(out.loss, cot) if none else cot * out.loss), out
+
+    args = tuple(case[n] for n in names)
+    (_, out), grads = jax.jit(jax.value_and_grad(objective_fn, has_aux=True))(args, case["targets"])
+    grads = dict(zip(names, grads))
+    ref = oracle_of(strategy)(**case, cotangent=cot if none else None, **opts)
+    scale = 1.0 if none else cot
+
+    assert out.loss.dtype == jnp.float32 and out.loss.shape == (lead if none else ())
+    assert_close(out.loss, ref.loss, tol_loss, "loss", cancel_floor(ref.loss_scale, tol_loss))
+    wsum = ref.metrics["weight_sum"]
+    for name, g in grads.items():
+        assert g.dtype == case[name].dtype and g.shape == case[name].shape, (name, g.dtype, g.shape)
+        if name == "weights" and opts.get("reduction", "mean") == "mean" and wsum == 0:
+            assert np.all(np.isfinite(f64(g)))
+            continue
+        want, s = ref.grads[name] * scale, np.abs(ref.grad_scale[name] * scale)
+        err = np.abs(f64(g) - want)
+        bound = entry_bound(name, s, want) if entry_bound else entry_tol * s + 1e-30
+        ratio = err / bound
+        note_margin(f"d/d{name} entries", float(np.max(ratio)), 1.0)
+        if np.any(ratio > 1):
+            at = np.unravel_index(np.argmax(ratio), ratio.shape)
+            raise AssertionError(f"d/d{name}: {int(np.sum(ratio > 1))} entries past their bound, the worst "
+                                 f"{ratio[at]:.3g}x its bound at {tuple(map(int, at))}: |g - g64| = {err[at]:.3g} "
+                                 f"(oracle {want[at]:.3g}, S {s[at]:.3g})")
+        assert_close(g, want, tol_grad, f"d/d{name}", CANCEL_FLOOR * float(np.linalg.norm(s.ravel())))
+    v = opts.get("vocab_size")
+    if v is not None:
+        for name in ("table", "bias"):
+            if name in grads:
+                assert np.all(f64(grads[name])[v:] == 0.0), f"d/d{name}: rows at or past vocab_size={v} not 0"
+
+    if exact_counts is None:
+        w = case["weights"]
+        exact_counts = w is None or bool(np.all(f64(w) * 4 == np.round(f64(w) * 4)))
+    slack = 0.0 if exact_ties else ref.metric_slack
+    _check_metrics(objective, out.metrics, ref, opts, exact_counts, slack)
+    if evaluate:
+        evaluated = jax.jit(call)(args, case["targets"])
+        assert_close(evaluated.loss, out.loss, 2e-6, "eval-only loss vs value_and_grad loss")
+        _check_metrics(objective, evaluated.metrics, ref, opts, exact_counts, slack)
+    return out, grads, ref
+
+
+def _check_metrics(objective, mets, ref, opts, exact: bool, slack: float):
+    """The strategy's metrics against the oracle's: counts exact (up to ``slack``, the oracle's for logits
+    at the threshold or a near-tied argmax) when ``exact``, else within float32 rounding of a weighted sum."""
+    for k in ("num_targets", "invalid_targets"):
+        assert float(mets[k]) == ref.metrics[k], (k, float(mets[k]), ref.metrics[k])
+    wsum = ref.metrics["weight_sum"]
+    rtol = 0.0 if exact else 1e-5
+    assert abs(float(mets["weight_sum"]) - wsum) <= rtol * abs(wsum), ("weight_sum", float(mets["weight_sum"]), wsum)
+    counts = ("tp", "fp", "fn", "tn") if objective == "bce" else ("top1",)
+    if not opts.get("compute_metrics", True):
+        assert not set(counts) & set(mets), sorted(mets)
+        return
+    for k in counts:
+        got, want = float(mets[k]), ref.metrics[k]
+        tol = (ref.metric_slack if objective == "bce" else slack) + rtol * max(1.0, abs(want))
+        assert abs(got - want) <= tol, f"metric {k}: got {got}, oracle {want} (slack {tol})"
+    if objective == "softmax":
+        np.testing.assert_allclose(float(mets["mean_lse"]), ref.metrics["mean_lse"], rtol=1e-5, atol=1e-4)
 
 
 # ------------------------------------------------------------------------- meshes
@@ -223,6 +435,7 @@ def assert_matches(strategy, inputs, layout, cot=None, **opts):
     ref_loss, ref_m, ref_g = loss_and_grads(strategy, inputs, None, cot, **opts)
     loss, mets, grads = loss_and_grads(strategy, inputs, layout, cot, **opts)
     assert loss.shape == ref_loss.shape
+    note_margin("sharded loss", rel(loss, ref_loss), 1e-5)
     assert rel(loss, ref_loss) <= 1e-5, (loss, ref_loss)
     assert set(mets) == set(ref_m)
     for k in ref_m:
@@ -230,6 +443,7 @@ def assert_matches(strategy, inputs, layout, cot=None, **opts):
     for name, g, rg in zip(("hidden", "table", "bias"), grads, ref_g):
         assert g.shape == rg.shape and g.dtype == rg.dtype
         assert float(jnp.max(jnp.abs(rg))) > 0, name
+        note_margin(f"sharded d/d{name}", rel(g, rg), 1e-4)
         assert rel(g, rg) <= 1e-4, (name, rel(g, rg))
     return loss, mets, grads
 

@@ -169,10 +169,12 @@ def bce_oracle(hidden, table, targets, weights=None, bias=None, *, cotangent=Non
     ell = vscale * elem.sum(axis=1)
     wsum = w.sum()
     # Magnitudes of the background + correction split (see OracleResult).
-    bg_v, bg_d = eps / 2 * p + (1 - eps / 2) * q, eps / 2 * dp + (1 - eps / 2) * dq
-    corr_v, corr_d = (1 - eps) * (p - q), (1 - eps) * (dp - dq)
+    bg_v, corr_v = eps / 2 * p + (1 - eps / 2) * q, (1 - eps) * (p - q)
     ell_abs = vscale * np.where(live, np.abs(bg_v) + y * np.abs(corr_v), 0.0).sum(axis=1)
-    g_abs = vscale * np.where(live, np.abs(bg_d) + y * np.abs(corr_d), 0.0)
+    # The derivative's parts, each in absolute value: P' and Q' are computed apart and added, so a
+    # background whose two terms cancel (ε, pos_weight) still carries their rounding.
+    dp_abs, dq_abs = np.abs(dp), np.abs(dq)
+    g_abs = vscale * np.where(live, eps / 2 * dp_abs + (1 - eps / 2) * dq_abs + y * (1 - eps) * (dp_abs + dq_abs), 0.0)
 
     if reduction == "mean":
         loss = float((w * ell).sum() / wsum) if wsum != 0 else 0.0
@@ -405,15 +407,16 @@ def sampled_oracle(hidden, table, targets, weights=None, bias=None, *, negatives
         loss = float((wp * ell).sum() / wsum) if wsum != 0 else 0.0
         c = wp / wsum if wsum != 0 else np.zeros(m)
         dw = np.where(has, (ell - loss) / wsum, 0.0) if wsum != 0 else np.full(m, np.nan)
+        dw_abs = np.where(has, (ell_abs + abs(loss)) / abs(wsum), 0.0) if wsum != 0 else np.full(m, np.nan)
         loss_abs = float((np.abs(wp) * ell_abs).sum() / abs(wsum)) if wsum != 0 else 0.0
     elif reduction == "sum":
         loss = float((wp * ell).sum())
-        c, dw = wp, ell
+        c, dw, dw_abs = wp, ell, ell_abs
         loss_abs = float((np.abs(wp) * ell_abs).sum())
     elif reduction == "none":
         cot = np.ones(m) if cotangent is None else f64(cotangent).reshape(m)
         loss = (wp * ell).reshape(lead)
-        c, dw = cot * wp, cot * ell
+        c, dw, dw_abs = cot * wp, cot * ell, np.abs(cot) * ell_abs
         loss_abs = (np.abs(wp) * ell_abs).reshape(lead)
     else:
         raise ValueError(f"oracle: unknown reduction {reduction!r}")
@@ -423,7 +426,7 @@ def sampled_oracle(hidden, table, targets, weights=None, bias=None, *, negatives
     grads = {"hidden": (g @ e).reshape(lead + (d,)), "table": g.T @ h2,
              "bias": None if bias is None else g.sum(axis=0), "weights": dw.reshape(lead)}
     grad_scale = {"hidden": (ga @ np.abs(e)).reshape(lead + (d,)), "table": ga.T @ np.abs(h2),
-                  "bias": None if bias is None else ga.sum(axis=0), "weights": np.abs(dw).reshape(lead)}
+                  "bias": None if bias is None else ga.sum(axis=0), "weights": dw_abs.reshape(lead)}
     metrics = {"num_targets": float(y[:, :v].sum()), "invalid_targets": float(invalid),
                "weight_sum": float(wsum), "top1": float((wp * hit).sum())}
     slack = float((np.abs(wp) * near).sum())

@@ -250,7 +250,7 @@ def test_every_shell_command_names_programs_flags_and_keys_that_exist():
 # Why a documented command is checked for its flags and keys above but not run on tiny data below;
 # a command that neither runs nor has a reason fails the test (a new example must be classified).
 _MAKE_CI = {"test", "test-all", "test-py312", "docs"}
-_MAKE_BENCH = {"bench", "bench-py312", "quality", "figures", "pod-figures"}
+_MAKE_BENCH = {"bench", "bench-py312", "quality", "figures", "pod-figures", "mutants"}
 NOT_RUN = (
     (lambda p, a: any(x.startswith("compile_topology=") for x in a),
      "an ahead-of-time TPU compile (minutes each; tests/test_pod_step.py compiles the pinned rows)"),

@@ -79,6 +79,7 @@ RUN_TABLES: Dict[str, RunTable] = {
         "make quality QUALITY_ARGS='--sweep learning_rate=1e-3,3e-3,1e-2 --hbm --json docs/figures/data/quality.json'",
         "tools.quality:format_run"),
     "maxtext": RunTable("data/maxtext.json", MAXTEXT_TABLE, "tools.maxtext_table:format_table"),
+    "mutants": RunTable("data/mutants.json", "make mutants", "tools.mutants:format_table"),
     "maxtext-headline": RunTable("data/maxtext.json", MAXTEXT_TABLE, "tools.maxtext_table:format_headline"),
 }
 

@@ -150,7 +150,7 @@ def cancel_floor(scale, tol: float) -> float:
 
 # ------------------------------------------------------------------------- inputs with planted boundaries
 BV = 128             # block_v of the boundary cases: the kernels' least vocab block
-PAD_LOGIT = 6.0      # every row's logit at every padding row (+1 with a bias)
+PAD_LOGIT = 6.0      # every row's logit at every padding row (twice that with a bias: the bias is PAD_LOGIT too)
 PLANT_LOGIT = 4.0    # a row's logit at its planted target
 
 
@@ -217,7 +217,7 @@ def planted_case(rng, *, m, v, rows, plant, d=16, l=6, bias=True, dtype=jnp.floa
     b = None
     if bias:
         b = rng.normal(-0.5, 0.5, size=rows)
-        b[v:] = 1.0
+        b[v:] = PAD_LOGIT
         for c, twin in twins:
             b[twin] = b[c]
     # Multiples of 2⁻⁶: every product and partial sum of a logit is exact in float32, in any order, so twins

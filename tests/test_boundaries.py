@@ -15,7 +15,7 @@ stays the wide net, in tests/test_bce.py and tests/test_softmax.py):
   at V (a padding row that exists) and at the table's end;
 * 16-bit tables with and without a bias, in one row tile and in row chunks, held to the stated bound.
 
-The inputs make each boundary count: padding rows carry logits of +6 (+7 with a bias) for every row,
+The inputs make each boundary count: padding rows carry logits of +6 (+12 with a bias) for every row,
 so a padding column let through moves the loss by far more than its tolerance; every row has one
 target planted at a boundary column with a logit of +4 (its softmax argmax), repeated later in the
 row; the weights are multiples of 1/4 (the metrics are then exact). Values are drawn from the test's
@@ -257,10 +257,11 @@ def sampled_check(name, case, negatives, opts, rng, *, layout=None, log_q=None):
     return ref
 
 
-def _sampled_case(rng, *, v, rows, plant, m=12, bias=True):
+def _sampled_case(rng, *, v, rows, plant, m=12, bias=True, plant_logit=-PLANT_LOGIT):
     """A planted case for the sampled losses: targets at ``plant`` with logits of −4 (the positive term
-    large), the other columns ≈ N(−2, 0.5) with the bias (the negatives' terms small)."""
-    case = planted_case(rng, m=m, v=v, rows=rows, plant=plant, plant_logit=-PLANT_LOGIT, bias=bias)
+    large), the other columns ≈ N(−2, 0.5) with the bias (the negatives' terms small); with
+    ``plant_logit`` = +4 each row's planted target is above every other id instead."""
+    case = planted_case(rng, m=m, v=v, rows=rows, plant=plant, plant_logit=plant_logit, bias=bias)
     if bias:
         case["bias"] = case["bias"] - 1.5
     return case
@@ -280,8 +281,10 @@ def test_sampled_negatives_at_block_and_catalogue_edges(name, rng):
     """V = 300 in 384 rows: negatives at 0, 127, 128, 255, 256, 299 (V − 1), repeated, and every valid
     target id after them (accidental hits), with padding, invalid ids (V, the table's end, −2) and
     non-adjacent duplicates in the targets. gBCE keeps its hits (remove_accidental_hits=False): each row's
-    best target then ties exactly with itself as a negative, which is not a top-1 hit; pad_id is a real id."""
-    case = _sampled_case(rng, v=300, rows=384, plant=block_edges(300))
+    planted target (logit +4, above every other id) then ties exactly with itself as a negative, which is
+    not a top-1 hit; pad_id is a real id."""
+    case = _sampled_case(rng, v=300, rows=384, plant=block_edges(300),
+                         plant_logit=PLANT_LOGIT if name == "gbce" else -PLANT_LOGIT)
     opts = dict(vocab_size=300, temperature=1.3)
     if name == "gbce":
         opts.update(pad_id=128, gbce_t=0.5, remove_accidental_hits=False)

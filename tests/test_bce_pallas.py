@@ -271,8 +271,12 @@ def test_one_fused_sweep_for_loss_and_grad(rng):
     grad = jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1, 2)))(hidden, table, b)
     [(name, cost)] = pallas_calls(grad.jaxpr)
     assert name == "cutbce_fused"
-    # 6·M·V·D with M rounded to the row tile (16 rows) and D padded to 128 lanes.
-    assert cost.flops == 6 * 16 * 200 * 128 and cost.transcendentals == 3 * 16 * 200
+    # 6·M·V·D with M rounded to the row tile (16 rows) and D padded to 128 lanes; the term's
+    # transcendentals a logit: exp, the reciprocal, and the log once per 128 lanes of a 256-column block.
+    from recloss.bce.bernoulli import Bernoulli
+    per_logit = Bernoulli.background(recloss.LossOptions()).transcendentals(value=True, grad=True, bv=256)
+    assert per_logit == 2.5
+    assert cost.flops == 6 * 16 * 200 * 128 and cost.transcendentals == int(per_logit * 16 * 200)
     s = recloss.get_strategy("cutbce_pallas", reduction="none")
     g = lambda h, e, bb: jnp.sum(s(h, e, targets, None, bb).loss ** 2)
     rows = jax.make_jaxpr(jax.grad(g, argnums=(0, 1, 2)))(hidden, table, b)
@@ -328,3 +332,26 @@ def test_interpret_warning_once(rng, monkeypatch):
     assert not recloss.get_strategy("cutbce_pallas").interpret("tpu")
     assert not recloss.get_strategy("cutbce_pallas", interpret=False).interpret("cpu")
 
+
+
+# ----------------------------------------------------------------------------- the term at a tile
+@pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.2, pos_weight=3.0), dict(focal_gamma=1.5)],
+                         ids=["plain", "smoothed", "focal"])
+def test_the_terms_tile_is_its_value_and_gradient(opts, rng):
+    """`Bernoulli.tile` (the kernels' least work: one exp, a refined approximate reciprocal, a log a lane)
+    against `Bernoulli.value_and_grad` summed by lane: logits from -30 to 30 and exact zeros, the last
+    columns dead (x = NaN there, as a partial block's unspecified memory can be)."""
+    from recloss.bce.bernoulli import Bernoulli
+    term = Bernoulli.background(recloss.LossOptions(**opts))
+    x = rng.uniform(-30, 30, size=(16, 512)).astype(np.float32)
+    x[:, ::7] = 0.0
+    live = np.arange(512)[None, :] < 450
+    val, dval = term.value_and_grad(jnp.asarray(x))
+    want_lanes = np.where(live, np.asarray(val, np.float64), 0.0).reshape(16, 4, 128).sum(1)
+    x[:, 450:] = np.nan
+    out = jax.jit(lambda x: term.tile(x, jnp.asarray(live), value=True, grad=True, newton=2))(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(out.lanes), want_lanes, rtol=2e-6, atol=1e-5)
+    g = np.asarray(out.dval)[:, :450]
+    np.testing.assert_allclose(g, np.asarray(dval)[:, :450], rtol=1e-6, atol=1e-7)
+    if out.clean:
+        assert np.all(np.asarray(out.dval)[:, 450:] == 0.0)

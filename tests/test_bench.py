@@ -52,11 +52,11 @@ def test_matmuls_only_ceiling_changes_no_library_code(rng):
     h = jnp.asarray(rng.normal(size=(7, 12)), jnp.float32)
     e = jnp.asarray(rng.normal(size=(50, 12)), jnp.float32)
     t = jnp.asarray(rng.integers(0, 50, size=(7, 2)), jnp.int32)
-    real, before = cut.bernoulli_parts, float(recloss.bce_loss(h, e, t).loss)
+    real, before = cut.Bernoulli.parts, float(recloss.bce_loss(h, e, t).loss)
     ceiling = float(rows.matmuls_only_loss(h, e, t, block_v=16))
     # value = logit: the loss part is Σ_i r_i·Σ_v x_iv (r = 1/(M·V)) plus the (real) target correction.
     assert np.isfinite(ceiling) and ceiling != before
-    assert cut.bernoulli_parts is real and float(recloss.bce_loss(h, e, t).loss) == before
+    assert cut.Bernoulli.parts is real and float(recloss.bce_loss(h, e, t).loss) == before
 
 
 @pytest.mark.tier1

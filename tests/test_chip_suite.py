@@ -22,11 +22,12 @@ pytestmark = pytest.mark.tier1
 
 def _fused(a, e, r, probe):
     # Rows in two chunks and three vocab blocks (the last partial): every part of the grid runs.
+    from recloss.bce import kernel
     strategy = recloss.get_strategy("cutbce_pallas", block_v=128, block_n=16)
     shard = VocabShard.whole(e, None, vocab_size=e.shape[0], platform="cpu")
     plan = strategy.plan(a.shape[0], shard)
-    with grid.probe(probe):
-        return plan.sweeps.fused(a, e, None, r, 0, plan, None)
+    sweeps = kernel.sweeps(None if probe is None else lambda spec: grid.probe(spec, probe))
+    return sweeps.fused(a, e, None, r, 0, plan, None)
 
 
 def test_the_matmuls_probe_runs_only_the_three_products(rng):
@@ -56,9 +57,22 @@ def test_the_elementwise_probe_runs_no_product(rng):
 
 
 def test_probe_names_its_choices():
-    with pytest.raises(ValueError, match=r"probe must be one of \('matmuls', 'elementwise'\) or None, got 'mxu'"):
-        with grid.probe("mxu"):
-            pass
+    from recloss.bce import kernel
+    spec = kernel._spec("fused", recloss.LossOptions(), 128)
+    with pytest.raises(ValueError, match=r"probe must be one of \('matmuls', 'elementwise'\), got 'mxu'"):
+        grid.probe(spec, "mxu")
+
+
+def test_the_suite_times_its_probes_through_the_strategy(rng):
+    """`chip.probe_strategy`: the strategy's own call with its kernels' specs as the probe (the loss of
+    the matmuls probe is not the strategy's), and the strategy itself untouched after."""
+    h = jnp.asarray(rng.normal(size=(2, 9, 24)), jnp.float32)
+    e = jnp.asarray(rng.normal(size=(300, 24)) / 5, jnp.float32)
+    t = jnp.asarray(rng.integers(0, 300, size=(2, 9, 3)), jnp.int32)
+    real = float(recloss.bce_loss(h, e, t, strategy="cutbce_pallas").loss)
+    probed = float(chip.probe_strategy("cutbce_pallas", "matmuls")(h, e, t).loss)
+    assert np.isfinite(probed) and probed != real
+    assert float(recloss.bce_loss(h, e, t, strategy="cutbce_pallas").loss) == real
 
 
 def test_the_suite_refuses_a_cpu_backend_and_unknown_shapes(capsys):
@@ -122,3 +136,32 @@ def test_the_test_tpu_record_renders_its_counts():
                                   counts=dict(passed=3, failed=1, error=0, skipped=2)))
     assert line == ("`make test-tpu` on TPU v5 lite (jax 0.10.2, libtpu 0.0.42.1, 2026-12-06, matmul precision "
                     "highest): 3 passed, 1 failed, 0 errors, 2 skipped in 232 s; failed: t::a.")
+
+
+def test_tune_refuses_a_cpu_backend_and_writes_a_table_the_tiling_reads(capsys, monkeypatch):
+    """`recloss-bench --tune` measures a TPU (a CPU backend is refused, naming it); its payload becomes the
+    package table `recloss.pallas.tuned` reads, and `tune.forced` is what a candidate compiles under."""
+    from recloss.bench import tune
+    from recloss.pallas import tiling, tuned
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--tune"])
+    assert exit_.value.code == 2 and "--tune measures a TPU: JAX's backend here is 'cpu'" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="--tune measures a TPU"):
+        tune.run(["paper-f32"])
+    payload = dict(info=dict(chip="v5e", device="TPU v5 lite", jax="x", libtpu="y", date="d", rounds=5),
+                   entries=[dict(objective="bce", mode="fused", dtype="float32", d=256, bs=1024, bv=2048, ms=1.0,
+                                 heuristic_ms=2.0)],
+                   shapes={"paper-f32": {"heuristic": dict(median_ms=2.0, picks={"fused": [512, 1024]}),
+                                         "bs=1024 bv=2048": dict(bs=1024, bv=2048, median_ms=1.0)}})
+    table = tune.table(payload, "recloss-bench --tune")
+    assert table["chip"] == "v5e" and table["measured"]["command"] == "recloss-bench --tune"
+    assert "| paper-f32 | bs=1024 bv=2048 | 1.00 | 0.500 |" in tune.format_table(payload)
+    monkeypatch.setattr(tuned, "table", lambda name: table if name == "v5e" else None)
+    pick = lambda: tiling.choose(("bce", "fused"), 2048, 10_000, 256, jnp.float32, jnp.float32, recloss.LossOptions(),
+                                 bias=False, chip=tiling.get_chip("v5e"), temps=3)
+    assert (pick().bs, pick().bv) == (1024, 2048)
+    with tune.forced("v5e", "bce", "float32", 256, 512, 512):
+        assert (pick().bs, pick().bv) == (512, 512)
+    with tune.unforced("v5e"):
+        assert (pick().bs, pick().bv) == (512, 1024)
+    assert (pick().bs, pick().bv) == (1024, 2048)

@@ -96,3 +96,47 @@ def test_float16_operands_are_tiled_as_the_float32_the_kernel_holds():
     f16 = tiling.choose(("bce", "fused"), 4096, 100_000, 256, jnp.float16, jnp.float16, opts, bias=True, chip=chip)
     f32 = tiling.choose(("bce", "fused"), 4096, 100_000, 256, jnp.float32, jnp.float32, opts, bias=True, chip=chip)
     assert f16 == f32
+
+
+def _fake_table(monkeypatch, entries, chip="v5e"):
+    from recloss.pallas import tuned
+    monkeypatch.setattr(tuned, "table", lambda name: dict(chip=chip, entries=entries) if name == chip else None)
+
+
+def test_a_measured_entry_is_read_and_a_missing_one_falls_back(monkeypatch):
+    """`recloss.pallas.tuned`: the chip's entry for the mode and table dtype (the nearest D) sets the
+    automatic sub-tile and vocab block; another dtype, mode or chip keeps the heuristic, and an explicit
+    block_v still wins."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    _fake_table(monkeypatch, [dict(objective="bce", mode="fused", dtype="float32", d=256, bs=1024, bv=2048),
+                              dict(objective="bce", mode="fused", dtype="float32", d=1024, bs=256, bv=512)])
+    opts = recloss.LossOptions()
+    choose = lambda mode, dt, d, chip="v5e", o=opts: tiling.choose(mode, 2048, 876_939, d, dt, dt, o, bias=False,
+                                                                  chip=tiling.get_chip(chip), temps=3)
+    heuristic = choose(("bce", "fused"), bf16, 256)
+    assert (heuristic.bs, heuristic.bv) == (512, 1024)                     # no bfloat16 entry
+    assert (choose(("bce", "fused"), f32, 256).bs, choose(("bce", "fused"), f32, 256).bv) == (1024, 2048)
+    assert (choose(("bce", "fused"), f32, 200).bs, choose(("bce", "fused"), f32, 200).bv) == (1024, 2048)  # nearest D
+    assert (choose(("bce", "fused"), f32, 900).bs, choose(("bce", "fused"), f32, 900).bv) == (256, 512)
+    other = choose(("bce", "loss"), f32, 256)
+    assert (other.bs, other.bv) == (heuristic.bs, heuristic.bv)            # no entry for the mode
+    v6e = choose(("bce", "fused"), f32, 256, chip="v6e")
+    assert (v6e.bs, v6e.bv) == (512, 1024)                                 # no table for the chip
+    explicit = choose(("bce", "fused"), f32, 256, o=recloss.LossOptions(block_v=256))
+    assert explicit.bv == 256 and explicit.bs == 1024
+
+
+def test_the_shipped_tables_are_whole_and_valid():
+    """Every table in the package names its chip and how it was measured, and each entry is a mode of
+    `tiling.MODES` with blocks the tiling rule takes."""
+    from recloss.pallas import tuned
+    names = tuned.chips()
+    assert "v5e" in names
+    for name in names:
+        t = tuned.table(name)
+        assert t["chip"] == name and name in tiling.CHIPS
+        assert {"device", "jax", "libtpu", "date", "command"} <= set(t["measured"])
+        for e in t["entries"]:
+            assert (e["objective"], e["mode"]) in tiling.MODES, e
+            assert e["bv"] % tiling.LANES == 0 and e["bs"] % 16 == 0 and e["d"] > 0, e
+            assert e["ms"] <= e["heuristic_ms"], e

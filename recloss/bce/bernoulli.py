@@ -1,15 +1,17 @@
 """The Bernoulli loss terms (P, Q) of the multi-label BCE objective, and its sparse target correction.
 
-Every BCE strategy evaluates logits through `bernoulli_parts`/`bernoulli_terms`,
-so the blocked passes, the Pallas kernel and the dense baseline cannot drift
-apart in their math. With soft label y' = y(1−ε) + ε/2 the element loss
+Every BCE strategy evaluates logits through one `Bernoulli` term (its `value_and_grad`, or at a
+kernel tile its `tile`), so the blocked passes, the Pallas kernel and the dense baseline cannot
+drift apart in their math. With soft label y' = y(1−ε) + ε/2 the element loss
 y'·P + (1−y')·Q is linear in y', so a position's loss is a target-free
 background Σ_v [(ε/2)·P + (1−ε/2)·Q] plus `correction` over its targets.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,78 +25,181 @@ def background_coefficients(opts: LossOptions):
     return opts.label_smoothing / 2.0, 1.0 - opts.label_smoothing / 2.0
 
 
+class TileOut(NamedTuple):
+    """What `Bernoulli.tile` gives for one [rows, bv] logit tile: ``lanes`` [rows, 128] f32 (the value
+    summed over the tile's columns, 128 lanes a row; None without ``value``), ``dval`` [rows, bv] f32
+    (∂value/∂x; None without ``grad``) and ``clean``: dval is already 0 at every dead column."""
+    lanes: Any
+    dval: Any
+    clean: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Bernoulli:
+    """The per-logit term ``cp·P(x) + cq·Q(x)`` of the BCE objective, as one object: its value and
+    derivative (`value_and_grad`), the same at a Mosaic kernel tile's least work (`tile`), and what that
+    work costs (`transcendentals`, `temporaries`), which the kernel's cost estimate and VMEM tiling read.
+
+    With s = σ(x) and softplus sp, k_p = cp·pos_weight·α, k_q = cq·(1 − α) (α-factors 1 without
+    ``focal_alpha``) and γ = ``focal_gamma``:
+
+        value = k_p·(1 − s)^γ·sp(−x) + k_q·s^γ·sp(x)
+        γ = 0:  value = k_q·relu(x) + k_p·relu(−x) + (k_q + k_p)·log(1 + e),  e = exp(−|x|)
+                d/dx  = k_q·s − k_p·(1 − s),   s = 1/(1 + e) for x > 0, e/(1 + e) else (1 − s the other)
+
+    A kernel tile (γ = 0) takes one exp a logit (e, shared by the value and s), an approximate reciprocal
+    refined by one Newton step for s, and the log once per 128 lanes: log Π_g (1 + e_g) over the tile's
+    128-column groups g (each factor in (1, 2], so the product of 16 stays below 2^16).
+    """
+    kp: float
+    kq: float
+    gamma: float
+
+    @classmethod
+    def of(cls, opts: LossOptions, cp: float, cq: float) -> "Bernoulli":
+        alpha = opts.focal_alpha
+        kp = cp * opts.pos_weight * (1.0 if alpha is None else alpha)
+        kq = cq * (1.0 if alpha is None else 1.0 - alpha)
+        return cls(float(kp), float(kq), float(opts.focal_gamma))
+
+    @classmethod
+    def background(cls, opts: LossOptions) -> "Bernoulli":
+        """The dense background's term, (cp, cq) = `background_coefficients`."""
+        return cls.of(opts, *background_coefficients(opts))
+
+    # ------------------------------------------------------------ elementwise, any backend
+    def value_and_grad(self, x, *, grad: bool = True):
+        """(value, d value/dx or None) elementwise in float32: the sum of `parts` and their derivative."""
+        parts, dvalue = self.parts(x, grad=grad)
+        return functools.reduce(jnp.add, parts), dvalue
+
+    def parts(self, x, *, grad: bool = True):
+        """(parts, d value/dx or None): arrays whose sum is the value, in float32, exact in relative terms
+        for either sign of x (x = ±1e4 stays finite: powers are taken as exp(−γ·sp(∓x))). With γ = 0
+        (k_q·relu(x), k_p·relu(−x), (k_q + k_p)·log1p(e)), each present only where its coefficient is not
+        0: the pure-JAX sweep reduces them one by one, which XLA:CPU runs faster than their sum, and
+        σ(±x) is 1/(1 + exp(∓x)) rather than from e, which lets XLA:CPU keep the loss and the gradient in
+        separate fusions without materialising e (docs/design.md "Measured choices")."""
+        x = x.astype(jnp.float32)
+        kp, kq, gamma = self.kp, self.kq, self.gamma
+        e = jnp.exp(-jnp.abs(x))
+        log_term = jnp.log1p(e)
+        relu = jnp.maximum(x, 0.0)
+        # Terms are added only where present: a zeros_like start would be a materialised tile in
+        # XLA:CPU's loop body.
+        terms, dterms = [], []
+        if gamma == 0.0:
+            if kq:
+                terms.append(kq * relu)
+            if kp:
+                terms.append(kp * jnp.maximum(-x, 0.0))
+            if kp or kq:
+                terms.append((kq + kp) * log_term)
+            if grad and kq:
+                dterms.append(kq * jax.nn.sigmoid(x))
+            if grad and kp:
+                dterms.append(-kp * jax.nn.sigmoid(-x))
+        else:
+            sp_pos = relu + log_term               # softplus(x)
+            sp_neg = sp_pos - x                    # softplus(-x)
+            inv = 1.0 / (1.0 + e)
+            s = jnp.where(x >= 0, inv, e * inv)    # σ(x)
+            one_minus_s = jnp.where(x >= 0, e * inv, inv)
+            if kq:
+                s_pow = jnp.exp(-gamma * sp_neg)   # s^γ
+                terms.append(kq * s_pow * sp_pos)
+                if grad:
+                    dterms.append(kq * s_pow * (gamma * one_minus_s * sp_pos + s))
+            if kp:
+                t_pow = jnp.exp(-gamma * sp_pos)   # (1−s)^γ
+                terms.append(kp * t_pow * sp_neg)
+                if grad:
+                    dterms.append(-kp * t_pow * (gamma * s * sp_neg + one_minus_s))
+        parts = tuple(terms) if terms else (jnp.zeros_like(x),)
+        dvalue = None
+        if grad:
+            dvalue = functools.reduce(jnp.add, dterms) if dterms else jnp.zeros_like(x)
+        return parts, dvalue
+
+    # ------------------------------------------------------------ a Mosaic kernel's tile
+    def tile(self, x, live, *, value: bool, grad: bool, newton: int = 1) -> TileOut:
+        """The term over one [rows, bv] tile of logits ``x`` (f32, bv a multiple of 128) whose live
+        columns are ``live`` [1, bv] (None: all): the value summed into 128 lanes a row and the
+        derivative, dead columns contributing nothing. γ = 0 at the least work (see the class), the
+        approximate reciprocal refined by ``newton`` steps (each doubles its bits: one after a TPU's,
+        two after the interpreter's bfloat16 one); any γ by `value_and_grad`, masked."""
+        if self.gamma != 0.0:
+            val, dval = self.value_and_grad(x, grad=grad)
+            lanes = None
+            if value:
+                lanes = _lane_fold(val if live is None else jnp.where(live, val, 0.0))
+            return TileOut(lanes, dval, live is None)
+        from jax.experimental import pallas as pl
+
+        kp, kq = self.kp, self.kq
+        if live is not None:     # a dead column: e = 0, 1 + e = 1, relu(x) = 0, σ(x) = 0 (its k_p part is masked)
+            x = jnp.where(live, x, -jnp.inf)
+        e = jnp.exp(-jnp.abs(x))
+        d = 1.0 + e
+        pos = x > 0.0
+        lanes = dval = None
+        if value:
+            lin = kq * jnp.where(pos, x, 0.0) if kq else None
+            if kp:
+                neg = jnp.where(pos, 0.0, -x)
+                if live is not None:
+                    neg = jnp.where(live, neg, 0.0)
+                lin = kp * neg if lin is None else lin + kp * neg
+            groups = _lane_groups(d)
+            prod = groups[0]
+            for g in groups[1:]:
+                prod = prod * g
+            lanes = (kq + kp) * jnp.log(prod)
+            if lin is not None:
+                lanes = lanes + _lane_fold(lin)
+        if grad:
+            r = pl.reciprocal(d, approx=True)
+            for _ in range(newton):
+                r = r * (2.0 - d * r)
+            er = e * r
+            dval = jnp.where(pos, r, er)                  # σ(x); x = 0 gives 1/2 either way
+            if kq != 1.0:
+                dval = kq * dval
+            if kp:                                        # − k_p·(1 − σ(x)), from e: exact for x ≫ 0
+                dval = dval - kp * jnp.where(pos, er, r)
+        return TileOut(lanes, dval, live is None or kp == 0.0)
+
+    def transcendentals(self, *, value: bool, grad: bool, bv: int) -> float:
+        """Transcendental (EUP) operations a logit costs in `tile`: exp, the reciprocal (gradient) and
+        the log of the value's lane product, one per bv/128 logits; the focal powers with γ ≠ 0."""
+        if self.gamma != 0.0:
+            return 3 + sum(k != 0.0 for k in (self.kp, self.kq))
+        return 1 + (1 if grad else 0) + (128 / bv if value else 0)
+
+    def temporaries(self, *, value: bool, grad: bool) -> int:
+        """[rows, bv] float32 tiles of VMEM `tile` needs beside the logits, for the kernels' tiling. Mosaic
+        keeps the elementwise chain in registers a slice at a time: compiled for a v5e, the γ = 0 fused
+        tile's least vmem_limit_bytes grew by about 1.5 tiles per tile of bs·bv (bs 512 → 1024, bv 1024 →
+        2048 at D = 256); the focal chain holds more."""
+        if self.gamma != 0.0:
+            return 6 if grad else 4
+        return 2 if grad else 1
+
+
+def _lane_groups(x):
+    """The lane-aligned [rows, 128] column groups of ``x`` [rows, k·128], in column order."""
+    return [x[:, k * 128:(k + 1) * 128] for k in range(x.shape[1] // 128)]
+
+
+def _lane_fold(x):
+    """[rows, k·128] → [rows, 128] by adding the lane-aligned column groups."""
+    groups = _lane_groups(x)
+    return functools.reduce(jnp.add, groups)
+
+
 def bernoulli_terms(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = True):
-    """Returns ``(cp·P(x) + cq·Q(x), d/dx of it)`` elementwise, in float32.
-
-    The value is the sum of `bernoulli_parts`; see there for the formula.
-    """
-    parts, dvalue = bernoulli_parts(x, opts, cp, cq, grad=grad)
-    return functools.reduce(jnp.add, parts), dvalue
-
-
-def bernoulli_parts(x, opts: LossOptions, cp: float, cq: float, *, grad: bool = True):
-    """Returns ``(parts, d/dx)``: arrays whose sum is ``cp·P(x) + cq·Q(x)``, in float32.
-
-    With s = σ(x), sp = softplus:
-        P  = pos_weight·α·(1−s)^γ·sp(−x),   P' = −pos_weight·α·(1−s)^γ·(γ·s·sp(−x) + (1−s))
-        Q  = (1−α)·s^γ·sp(x),                Q' = (1−α)·s^γ·(γ·(1−s)·sp(x) + s)
-    Powers are taken as exp(−γ·sp(∓x)) so x = ±1e4 stays finite. Terms whose
-    coefficient is 0 are skipped at trace time. The gradient is None when
-    ``grad=False``. With γ = 0 the value comes in parts (kq·relu(x),
-    kp·relu(−x), (kq + kp)·log1p(exp(−|x|))): a blocked pass reduces each part
-    on its own, which XLA:CPU runs faster than reducing their sum (loss-only sweep; docs/design.md
-    "Measured choices").
-    """
-    x = x.astype(jnp.float32)
-    gamma = float(opts.focal_gamma)
-    alpha = opts.focal_alpha
-    kp = cp * opts.pos_weight * (1.0 if alpha is None else alpha)
-    kq = cq * (1.0 if alpha is None else 1.0 - alpha)
-    use_p, use_q = kp != 0.0, kq != 0.0
-
-    e = jnp.exp(-jnp.abs(x))
-    log_term = jnp.log1p(e)
-    relu = jnp.maximum(x, 0.0)
-    # Terms are added only where present: a zeros_like start would be a
-    # materialised tile in XLA:CPU's loop body.
-    terms, dterms = [], []
-    if gamma == 0.0:
-        # sp(x) = relu(x) + log_term and sp(−x) = relu(−x) + log_term.
-        if use_q:
-            terms.append(kq * relu)
-        if use_p:
-            terms.append(kp * jnp.maximum(-x, 0.0))
-        if use_p or use_q:
-            terms.append((kq + kp) * log_term)
-        # σ(±x) = 1/(1 + exp(∓x)) rather than from `e`: not sharing exp(−|x|)
-        # lets XLA:CPU keep the loss and the gradient in separate fusions
-        # without materialising `e` (docs/design.md "Measured choices").
-        # Both are exact in relative terms for either sign of x.
-        if grad and use_q:
-            dterms.append(kq * jax.nn.sigmoid(x))
-        if grad and use_p:
-            dterms.append(-kp * jax.nn.sigmoid(-x))
-    else:
-        sp_pos = relu + log_term               # softplus(x)
-        sp_neg = sp_pos - x                    # softplus(-x)
-        inv = 1.0 / (1.0 + e)
-        s = jnp.where(x >= 0, inv, e * inv)    # σ(x)
-        one_minus_s = jnp.where(x >= 0, e * inv, inv)
-        if use_q:
-            s_pow = jnp.exp(-gamma * sp_neg)   # s^γ
-            terms.append(kq * s_pow * sp_pos)
-            if grad:
-                dterms.append(kq * s_pow * (gamma * one_minus_s * sp_pos + s))
-        if use_p:
-            t_pow = jnp.exp(-gamma * sp_pos)   # (1−s)^γ
-            terms.append(kp * t_pow * sp_neg)
-            if grad:
-                dterms.append(-kp * t_pow * (gamma * s * sp_neg + one_minus_s))
-    parts = tuple(terms) if terms else (jnp.zeros_like(x),)
-    dvalue = None
-    if grad:
-        dvalue = functools.reduce(jnp.add, dterms) if dterms else jnp.zeros_like(x)
-    return parts, dvalue
+    """Returns ``(cp·P(x) + cq·Q(x), d/dx of it)`` elementwise, in float32 (`Bernoulli.value_and_grad`)."""
+    return Bernoulli.of(opts, cp, cq).value_and_grad(x, grad=grad)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))

@@ -20,19 +20,20 @@ import jax
 import jax.numpy as jnp
 
 from recloss import softcap, sweep as sweep_lib
-from recloss.bce.bernoulli import background_coefficients, bernoulli_parts
+from recloss.bce.bernoulli import Bernoulli
 
 _MODES = {"loss": (True, False), "fused": (True, True), "grad": (False, True)}   # (want_loss, want_grad)
 
 
 def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *, sparse_de=None,
-          parts=bernoulli_parts) -> sweep_lib.SweepOut:
+          parts=None) -> sweep_lib.SweepOut:
     """One blocked pass over vocab blocks for rows a [M, D] in ``mode`` ('loss', 'fused', 'grad'):
     the `cutbce` plan's sweeps (`SWEEPS`), on `recloss.sweep.blocked`.
 
     r [M] scales each row's gradient (unused, and may be None, in 'loss' mode); ``fwd`` is unused
-    (BCE's gradient needs no forward value). ``parts``: the per-logit math (`bernoulli_parts`'s
-    signature); `recloss-bench`'s matmuls-only ceiling swaps in the identity. ``sparse_de``: a sparse
+    (BCE's gradient needs no forward value). ``parts``: the per-logit math, ``parts(x, term, grad=) ->
+    (value parts, dvalue)`` (None: the term's own, `recloss.bce.bernoulli.Bernoulli.parts`);
+    `recloss-bench`'s matmuls-only ceiling swaps in the identity. ``sparse_de``: a sparse
     term's (ids, G) added to the f32 dE and db (`recloss.sweep.add_sparse_de`).
     Returns SweepOut(bg rows [M] f32, predicted-positive rows [M] f32, dA [M, D] f32,
     dE [V_local, D] f32, db [V_local] f32 or None); entries not asked for are None.
@@ -40,7 +41,7 @@ def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *, s
     want_loss, want_grad = _MODES[mode]
     opts = p.opts
     d = a.shape[1]
-    cp, cq = background_coefficients(opts)
+    term = Bernoulli.background(opts)
     count = want_loss and opts.compute_metrics
 
     def tile(a_s, rows_s, e_j, b_j, live, col0):
@@ -50,7 +51,7 @@ def sweep(mode: str, a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *, s
         if b_j is not None:
             x = x + b_j.astype(jnp.float32)[None, :]
         x, slope = softcap.capped(x, opts.logit_soft_cap, grad=want_grad)
-        terms, dval = parts(x, opts, cp, cq, grad=want_grad)
+        terms, dval = (term.parts(x, grad=want_grad) if parts is None else parts(x, term, grad=want_grad))
         row_out, block_out = {}, {}
         if want_loss:
             if live is not None:

@@ -11,8 +11,9 @@ grid walks vocab blocks E_j [bv, D] ('arbitrary' axis). Each step runs an inner
 loop over row sub-tiles of ``bs`` rows:
 
     X = A_s E_jᵀ (+ b_j)                  f32 accumulation on the MXU
-    val, G' = bernoulli_terms(X)           the one shared formula, in f32
-    bg_s += Σ_lanes val ; counts_s += Σ_lanes [X > threshold]
+    lanes, G' = Bernoulli.tile(X)          the term's one formula at its least work (γ = 0: one exp a
+                                           logit, a refined approximate reciprocal, a log a lane)
+    bg_s += lanes ; counts_s += Σ_lanes [X > threshold]
     G = G'·r_s ; dA_s += G E_j ; dE_j += Gᵀ A_s ; db_j += Σ_rows G
 
 and writes dE_j, db_j once. Columns past V_local (a partial last block reads
@@ -36,49 +37,51 @@ import functools
 import jax.numpy as jnp
 
 from recloss import sweep as sweep_lib
-from recloss.bce.bernoulli import background_coefficients, bernoulli_terms
+from recloss.bce.bernoulli import Bernoulli
 from recloss.options import LossOptions
 from recloss.pallas import grid, tiling
 
 
-def _transcendentals(opts: LossOptions, grad: bool) -> int:
-    """Transcendental ops per logit: exp and log1p, a reciprocal for σ, powers for focal terms."""
-    n = 2 + (1 if (grad or opts.focal_gamma != 0.0) else 0)
-    if opts.focal_gamma != 0.0:
-        n += sum(c != 0.0 for c in background_coefficients(opts))
-    return n
+_MODES = {"fused": (True, True), "loss": (True, False), "grad": (False, True)}   # (value, gradient)
 
 
-def _spec(mode: str, opts: LossOptions) -> grid.Spec:
-    """The grid spec of ``mode``: bg (and counts) lanes, the Bernoulli terms per tile, G = G'·r."""
-    grad = mode in ("fused", "grad")
-    loss = mode in ("fused", "loss")
+def _spec(mode: str, opts: LossOptions, bv: int, interpret=False) -> grid.Spec:
+    """The grid spec of ``mode``: the background's `Bernoulli.tile` per sub-tile into the bg lanes (and
+    the predicted-positive counts), G = ∂bg/∂x·r into the products. In interpret mode the approximate
+    reciprocal is a bfloat16 one: two Newton steps reach float32 (one after a TPU's)."""
+    newton = 2 if interpret else 1
+    loss, grad = _MODES[mode]
     count = loss and opts.compute_metrics
-    cp, cq = background_coefficients(opts)
+    term = Bernoulli.background(opts)
+    threshold = float(opts.threshold)
 
     def tile(st: grid.Step):
-        x, live, ref, rows = st.x, st.live, st.ref, st.rows
-        val, dval = bernoulli_terms(x, opts, cp, cq, grad=grad)
+        ref, rows = st.ref, st.rows
+        out = term.tile(st.x, st.live, value=loss, grad=grad, newton=newton)
         if loss:
-            if live is not None:
-                val = jnp.where(live, val, 0.0)
-            ref["bg"][rows, :] += grid.lane_fold(val)
-            if count:
-                hit = x > opts.threshold
-                if live is not None:
-                    hit = hit & live
-                ref["cnt"][rows, :] += grid.lane_fold(hit.astype(jnp.float32))
+            ref["bg"][rows, :] += out.lanes
+            if count:    # x > threshold; a dead column is not counted
+                hit = st.x > threshold
+                if st.live is not None:
+                    hit = hit & st.live
+                ref["cnt"][rows, :] += grid.lane_fold(jnp.where(hit, 1.0, 0.0))
         if grad:
-            st.grad(dval * ref["r"][rows, :])
+            st.grad(out.dval * ref["r"][rows, :], clean=out.clean)
 
     row_out = ([grid.RowOut("bg")] if loss else []) + ([grid.RowOut("cnt")] if count else [])
-    return grid.Spec(f"cutbce_{mode}", grad, tuple(row_out), tile,
-                     flops={"fused": 6, "loss": 2, "grad": 6}[mode],
-                     transcendentals=_transcendentals(opts, grad), soft_cap=opts.logit_soft_cap)
+    return grid.Spec(f"cutbce_{mode}", grad, tuple(row_out), tile, flops={"fused": 6, "loss": 2, "grad": 6}[mode],
+                     transcendentals=term.transcendentals(value=loss, grad=grad, bv=bv),
+                     soft_cap=opts.logit_soft_cap)
 
 
-def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None, sparse_de=None
-          ) -> sweep_lib.SweepOut:
+def temporaries(mode: str, opts: LossOptions) -> int:
+    """[bs, bv] f32 tiles of VMEM a ``mode`` tile needs (the logits and the term's), for the tiling."""
+    loss, grad = _MODES[mode]
+    return 1 + Bernoulli.background(opts).temporaries(value=loss, grad=grad)
+
+
+def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None, sparse_de=None, *,
+          transform=None) -> sweep_lib.SweepOut:
     """The background of rows ``a`` [M, D] against ``e`` [V_local, D] in one kernel sweep: the
     mode of the `cutbce_pallas` plan's sweeps (`SWEEPS`; ``fwd`` is unused).
 
@@ -88,16 +91,18 @@ def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None, s
     or the table's dtype when one row chunk covers all rows (the sum over rows
     is then complete in f32 before the single rounding). ``sparse_de`` = (ids [M, L], G [M, L] f32): a
     sparse term's dE[ids] += G·a and db[ids] += G, added where dE is still f32 (in the kernel's VMEM
-    accumulator when it writes a 16-bit dE, `recloss.pallas.grid.sweep`).
+    accumulator when it writes a 16-bit dE, `recloss.pallas.grid.sweep`). ``transform``: a function
+    of the grid spec (the benchmark's roofline probes, `recloss.pallas.grid.probe`), or None.
     """
     opts = plan.opts
     m, d = a.shape
     v = e.shape[0]
     t = tiling.choose(("bce", mode), m, v, d, a.dtype, e.dtype, opts, bias=b is not None, chip=plan.chip,
-                      who=plan.owner)
-    grad = mode in ("fused", "grad")
-    loss = mode in ("fused", "loss")
-    res = grid.sweep(_spec(mode, opts), t, a, e, b, vocab_offset, rows=[("r", r, 0.0)] if grad else [],
+                      who=plan.owner, temps=temporaries(mode, opts))
+    loss, grad = _MODES[mode]
+    spec = _spec(mode, opts, t.bv, interpret=bool(plan.interpret))
+    res = grid.sweep(spec if transform is None else transform(spec), t, a, e, b, vocab_offset,
+                     rows=[("r", r, 0.0)] if grad else [],
                      vocab_size=plan.vocab_size, static_offset=plan.static_offset,
                      interpret=plan.interpret, sparse_de=sparse_de)
     bg = res.summed("bg", tiling.LANES).sum(-1) if loss else None
@@ -112,6 +117,12 @@ def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None, s
     return sweep_lib.SweepOut(bg, cnt, da, de, db)
 
 
+def sweeps(transform=None) -> sweep_lib.Sweeps:
+    """The kernel's `recloss.sweep.Sweeps`, one function per mode, each grid spec passed through
+    ``transform`` first (None: the kernel itself; `recloss.pallas.grid.probe` for a roofline probe)."""
+    return sweep_lib.Sweeps(*(functools.partial(sweep, mode, transform=transform)
+                              for mode in sweep_lib.Sweeps._fields))
+
+
 # The `cutbce_pallas` plan's `recloss.sweep.Sweeps`: one function per mode.
-SWEEPS = sweep_lib.Sweeps(loss=functools.partial(sweep, "loss"), grad=functools.partial(sweep, "grad"),
-                          fused=functools.partial(sweep, "fused"))
+SWEEPS = sweeps()

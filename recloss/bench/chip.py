@@ -12,7 +12,8 @@ and a 1 GiB copy (HBM). Rows:
                                    materialised matmuls XLA runs without recloss (no loss math)
     tokamax:<impl>                 Tokamax's linear_softmax_cross_entropy_loss where installed (L = 1)
     <kernel> [matmuls]             the Pallas kernel's grid with only its three MXU products
-    <kernel> [elementwise]         the same grid with only its per-logit math (`recloss.pallas.grid.probe`)
+    <kernel> [elementwise]         the same grid with only its per-logit math (`probe_strategy`, whose
+                                   kernels' specs are `recloss.pallas.grid.probe`'s)
 
 "useful" is 6·BN·V·D flops for every row, whatever it recomputes, over its median time; each Pallas
 row's bound is the largest of its two probes' times and its HBM floor (the bytes XLA's cost analysis
@@ -99,11 +100,33 @@ def rows_for(shape: Shape, tokamax: Sequence[str] = ()) -> List[ChipRow]:
     return rows
 
 
+def probe_strategy(name: str, kind: str):
+    """The Pallas strategy ``name`` with its kernels' grid specs made the roofline probe ``kind``
+    (`recloss.pallas.grid.probe`): a measurement, not a loss. A strategy object, called like the entry
+    point with the default options."""
+    import functools
+
+    import recloss
+    from recloss.bce import kernel as bce_kernel
+    from recloss.pallas import grid
+    from recloss.softmax import kernel as softmax_kernel
+
+    base = type(recloss.get_strategy(name))
+    module = {"bce": bce_kernel, "softmax": softmax_kernel}[base.objective]
+    probe = type(f"{base.__name__}Probe", (base,),
+                 {"kernel_sweeps": module.sweeps(functools.partial(grid.probe, kind=kind))})
+    return probe(recloss.LossOptions())
+
+
 def _loss(shape: Shape, row: ChipRow) -> Callable:
-    """(hidden, table, targets) -> scalar loss of ``row`` (peers: their table layout)."""
+    """(hidden, table, targets) -> scalar loss of ``row`` (peers: their table layout; probes: the
+    strategy's kernels as that probe)."""
     if row.kind == "peer":
         from recloss.bench.rows import tokamax_loss
         return tokamax_loss(row.strategy.split(":", 1)[1])
+    if row.probe:
+        strategy = probe_strategy(row.strategy, row.probe)
+        return lambda h, e, t: strategy(h, e, t).loss
     return lambda h, e, t: shape.entry(h, e, t, strategy=row.strategy).loss
 
 
@@ -120,11 +143,7 @@ def _chain(h, e):
 
 
 def _compile(shape: Shape, row: ChipRow, h, tables, t):
-    import contextlib
-
     import jax
-
-    from recloss.pallas import grid
 
     if row.kind == "chain":
         fn = jax.jit(_chain)
@@ -133,9 +152,8 @@ def _compile(shape: Shape, row: ChipRow, h, tables, t):
         loss = _loss(shape, row)
         fn = jax.jit(jax.value_and_grad(lambda h, e: loss(h, e, t), argnums=(0, 1)))
         args = (h, tables[row.table_layout])
-    with grid.probe(row.probe) if row.probe else contextlib.nullcontext():
-        t0 = time.perf_counter()
-        compiled = fn.lower(*args).compile()
+    t0 = time.perf_counter()
+    compiled = fn.lower(*args).compile()
     row.result["compile_s"] = round(time.perf_counter() - t0, 1)
     mem = compiled.memory_analysis()
     row.result["temp_mib"] = round(mem.temp_size_in_bytes / 2**20, 1)

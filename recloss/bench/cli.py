@@ -263,9 +263,42 @@ def _parser() -> argparse.ArgumentParser:
                              "and each kernel's roofline probes, checked before timed, medians of --repeats "
                              "interleaved rounds (default 9) beside the chip's own matmul and HBM rates")
     parser.add_argument("--chip-shapes", default=None,
-                        help="--chip: comma-separated suite shapes (default all: "
+                        help="--chip, --tune: comma-separated suite shapes (default all: "
                              + ", ".join(chip.SHAPES) + ")")
+    parser.add_argument("--tune", action="store_true",
+                        help="search the Pallas kernels' block sizes on this chip (a TPU only; recloss.bench.tune): "
+                             "each suite shape's loss and gradients with every candidate (bs, bv) and the "
+                             "heuristic's, checked, medians of --repeats interleaved rounds (default 5)")
+    parser.add_argument("--tune-table", default=None, metavar="PATH",
+                        help="--tune: write the chip's table there (the package's is "
+                             "recloss/pallas/tuned/<chip>.json, which recloss.pallas.tiling reads)")
     return parser
+
+
+def _tune(parser, args) -> int:
+    import jax
+
+    from recloss.bench import tune
+
+    shapes = args.chip_shapes.split(",") if args.chip_shapes else list(chip.SHAPES)
+    unknown = [s for s in shapes if s not in chip.SHAPES]
+    if unknown:
+        parser.error(f"--chip-shapes: unknown shape(s) {unknown}: expected some of {list(chip.SHAPES)}")
+    if jax.default_backend() != "tpu":
+        parser.error(f"--tune measures a TPU: JAX's backend here is {jax.default_backend()!r}")
+    payload = tune.run(shapes, rounds=args.repeats or 5)
+    print(tune.format_table(payload))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(payload, fh, indent=2)
+        _log(f"[bench] wrote {args.json}")
+    if args.tune_table:
+        command = "recloss-bench --tune" + (f" --chip-shapes {args.chip_shapes}" if args.chip_shapes else "")
+        with open(args.tune_table, "w") as fh:
+            json.dump(tune.table(payload, command), fh, indent=1)
+            fh.write("\n")
+        _log(f"[bench] wrote {args.tune_table}: {len(payload['entries'])} entries")
+    return 0
 
 
 def _chip(parser, args) -> dict:
@@ -382,6 +415,8 @@ def _cpu_payload(args, objective, strategies, shape) -> dict:
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.tune:
+        return _tune(parser, args)
     if args.repeats is None and not args.chip:
         args.repeats = 5
     if args.chip:

@@ -32,7 +32,6 @@ core axis' semantics (`recloss.pallas.tiling`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -67,6 +66,30 @@ class RowOut(NamedTuple):
     fill: float = 0.0
 
 
+class Products(NamedTuple):
+    """How a kernel's tile gets its logits from the MXU and gives G back: ``logits(a_s, e_blk,
+    precision) -> X`` [bs, bv] f32 and ``grads(ref, rows, a_s, e_blk, gc, acc, precision)``, which adds
+    G E_j to dA's rows and Gᵀ A_s to the block's dE accumulator ``acc`` (gc: G in the compute dtype).
+    The kernels' is `MXU`; a roofline probe of the elementwise work alone swaps in stand-ins
+    (`probe`)."""
+    logits: Callable
+    grads: Callable
+
+
+def _mxu_logits(a_s, e_blk, precision):
+    return jax.lax.dot_general(a_s, e_blk, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _mxu_grads(ref, rows, a_s, e_blk, gc, acc, precision):
+    ref["da"][rows, :] += jnp.dot(gc, e_blk, precision=precision, preferred_element_type=jnp.float32)
+    acc[...] += jax.lax.dot_general(gc, a_s, (((0,), (0,)), ((), ())), precision=precision,
+                                    preferred_element_type=jnp.float32)
+
+
+MXU = Products(_mxu_logits, _mxu_grads)
+
+
 class Spec(NamedTuple):
     """What one objective's kernel adds to the shared grid."""
     name: str                   # pallas_call name, e.g. 'cutbce_fused'
@@ -74,39 +97,38 @@ class Spec(NamedTuple):
     row_out: Sequence[RowOut]   # per-core lane accumulators, in output order
     tile: Callable              # tile(step: Step) for one [bs, bv] sub-tile
     flops: int                  # flops per (row, column, padded D lane): 2 per matmul
-    transcendentals: int        # per (row, column), without the soft cap's tanh
+    transcendentals: float      # per (row, column), without the soft cap's tanh
     soft_cap: Optional[float] = None   # `LossOptions.logit_soft_cap`: the tile sees c·tanh(X/c)
-    matmuls: bool = True        # False only in the 'elementwise' roofline probe (`probe`)
+    products: Products = MXU    # the MXU products (a roofline probe's stand-ins: `probe`)
 
 
 # The roofline probes of `recloss-bench --chip` (`probe`): the same grid, blocks and HBM traffic with
 # one unit's work taken away, so a kernel's time can be set beside what each unit alone costs.
 PROBES = ("matmuls", "elementwise")
-_probe: list = [None]
 
 
-@contextlib.contextmanager
-def probe(kind: Optional[str]):
-    """Kernels traced inside run a roofline probe instead of their objective (a measurement, not a loss):
+def _standin_logits(a_s, e_blk, precision):
+    """A stand-in X that varies by row and lane, without an MXU product."""
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, e_blk.shape[0]), 1).astype(jnp.float32)
+    return a_s[:, :1].astype(jnp.float32) + e_blk[:1, :1].astype(jnp.float32) * lanes
+
+
+def _lane_grads(ref, rows, a_s, e_blk, gc, acc, precision):
+    """G kept live without the MXU: summed into dA's first 128 lanes (dE stays 0)."""
+    ref["da"][rows, :tiling.LANES] += lane_fold(gc.astype(jnp.float32))
+
+
+def probe(spec: Spec, kind: str) -> Spec:
+    """``spec`` as a roofline probe (a measurement, not a loss):
 
     'matmuls'      the three MXU products only: G = X (no objective math; row outputs get Σ_lanes X);
     'elementwise'  the objective's per-logit math on a stand-in X (a broadcast, no MXU product) and
                    G summed into dA's first 128 lanes instead of the products (dE written as zeros).
-    None: the kernels themselves.
+
+    The benchmark builds them (`recloss.bench.chip`) with a kernel module's ``sweeps(transform)``.
     """
-    if kind not in PROBES + (None,):
-        raise ValueError(f"probe must be one of {PROBES} or None, got {kind!r}")
-    old, _probe[0] = _probe[0], kind
-    try:
-        yield
-    finally:
-        _probe[0] = old
-
-
-def _probed(spec: Spec) -> Spec:
-    kind = _probe[0]
     if kind == "elementwise":
-        return spec._replace(name=spec.name + "_elementwise", matmuls=False)
+        return spec._replace(name=spec.name + "_elementwise", products=Products(_standin_logits, _lane_grads))
     if kind == "matmuls":
         first = spec.row_out[0].name if spec.row_out else None
 
@@ -116,7 +138,7 @@ def _probed(spec: Spec) -> Spec:
             if spec.grad:
                 st.grad(st.x)
         return spec._replace(name=spec.name + "_matmuls", tile=tile, soft_cap=None, transcendentals=0)
-    return spec
+    raise ValueError(f"probe must be one of {PROBES}, got {kind!r}")
 
 
 class Step:
@@ -136,10 +158,11 @@ class Step:
         self.block, self.off_ref, self.slope = block, off_ref, slope
         self._grad = grad
 
-    def grad(self, g):
-        """dA_s += G E_j, dE_j += Gᵀ A_s, db_j += Σ_rows G for G [bs, bv] f32 = ∂ℓ/∂x (dead columns
-        zeroed; times `slope`, the chain through the soft cap, when there is one)."""
-        self._grad(self, g)
+    def grad(self, g, *, clean: bool = False):
+        """dA_s += G E_j, dE_j += Gᵀ A_s, db_j += Σ_rows G for G [bs, bv] f32 = ∂ℓ/∂x (times `slope`,
+        the chain through the soft cap, when there is one; dead columns zeroed unless ``clean``: G is 0
+        there already)."""
+        self._grad(self, g, clean)
 
 
 class _Geometry(NamedTuple):
@@ -229,23 +252,15 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
     nsub = t.bn // bs
     inits = list(spec.row_out) + ([RowOut("da")] if grad else [])
 
-    def add_grad(step, gr):
+    def add_grad(step, gr, clean):
         ref = step.ref
         if step.slope is not None:
             gr = gr * step.slope
-        if step.live is not None:
+        if step.live is not None and (not clean or step.slope is not None):
+            # (a dead column's cap slope is of unspecified memory past the table: it can be NaN)
             gr = jnp.where(step.live, gr, 0.0)
-        if not spec.matmuls:      # the 'elementwise' probe: G kept live without the MXU
-            ref["da"][step.rows, :tiling.LANES] += lane_fold(gr)
-            if has_bias:
-                ref["db"][...] += jnp.sum(gr, axis=0, keepdims=True)
-            return
-        gc = gr.astype(g.cdt)
-        ref["da"][step.rows, :] += jnp.dot(gc, step.e, precision=g.precision,
-                                           preferred_element_type=jnp.float32)
         acc = ref["de_acc"] if de_scratch else ref["de"]
-        acc[...] += jax.lax.dot_general(gc, step.a, (((0,), (0,)), ((), ())), precision=g.precision,
-                                        preferred_element_type=jnp.float32)
+        spec.products.grads(ref, step.rows, step.a, step.e, gr.astype(g.cdt), acc, g.precision)
         if has_bias:
             ref["db"][...] += jnp.sum(gr, axis=0, keepdims=True)
 
@@ -303,12 +318,7 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
             def sub_tile(s, carry):
                 rows = pl.ds(pl.multiple_of(s * bs, bs), bs)
                 a_s = ref["a"][rows, :].astype(g.cdt)
-                if spec.matmuls:
-                    x = jax.lax.dot_general(a_s, e_blk, (((1,), (1,)), ((), ())), precision=g.precision,
-                                            preferred_element_type=jnp.float32)
-                else:             # the 'elementwise' probe: a stand-in X that varies by row and lane
-                    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, bv), 1).astype(jnp.float32)
-                    x = a_s[:, :1].astype(jnp.float32) + e_blk[:1, :1].astype(jnp.float32) * lanes
+                x = spec.products.logits(a_s, e_blk, g.precision)
                 if bias is not None:
                     x = x + bias
                 x, slope = softcap.capped(x, spec.soft_cap, grad=grad)
@@ -355,7 +365,6 @@ def call(spec: Spec, t: tiling.Tiling, a, e, b, row_in, de_in, db_in, off, *, vo
     Returns dict with each `RowOut` [cores, bn, 128], da [cores, bn, Dp] f32,
     de [V_local, Dp], db [1, V_local] f32 (gradient specs; db with a bias).
     """
-    spec = _probed(spec)
     g = _geometry(t, a, e)
     inputs, outputs, aliases, scratch = _operands(spec, t, g, a, e, b, row_in, de_in, db_in, de_dtype)
     out_names = [n for n, _, _ in outputs]

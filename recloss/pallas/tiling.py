@@ -192,17 +192,19 @@ def sublanes(dtype) -> int:
 
 
 def vmem_estimate(mode: tuple, bn: int, bs: int, bv: int, d_pad: int, a_bytes: int, e_bytes: int, *,
-                  bias: bool, accumulate: bool, resident_buffers: int = 2) -> int:
+                  bias: bool, accumulate: bool, resident_buffers: int = 2, temps: Optional[int] = None) -> int:
     """VMEM bytes one kernel call needs (per TensorCore), the vocab blocks double-buffered and the
-    resident ones (row tile, per-row vectors, dA) ``resident_buffers`` times."""
+    resident ones (row tile, per-row vectors, dA) ``resident_buffers`` times; ``temps`` [bs, bv] f32
+    temporaries (None: the mode's `MODES` count)."""
     spec = MODES[mode]
     grad, row_vectors = spec.grad, spec.row_vectors
+    temps = spec.temps if temps is None else temps
     per_row = d_pad * (a_bytes + (4 if grad else 0)) + LANES * 4 * row_vectors
     de_bytes = 4 if grad else 0
     per_col = d_pad * (e_bytes + de_bytes + (4 if accumulate else 0))
     per_col += 8 * 4 * ((1 if bias else 0) + (1 if grad and bias else 0))   # [1, bv] pads to 8 sublanes
     scratch = bv * d_pad * 4 if grad and e_bytes < 4 else 0   # f32 dE accumulator for 16-bit tables
-    return resident_buffers * bn * per_row + 2 * bv * per_col + scratch + spec.temps * bs * bv * 4
+    return resident_buffers * bn * per_row + 2 * bv * per_col + scratch + temps * bs * bv * 4
 
 
 def _inner_rows(bn: int, sub: int) -> int:
@@ -233,14 +235,17 @@ class _Problem(NamedTuple):
 
 
 def choose(mode: tuple, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: LossOptions, *,
-           bias: bool, chip: Chip, who: str = "") -> Tiling:
+           bias: bool, chip: Chip, who: str = "", temps: Optional[int] = None) -> Tiling:
     """Block sizes for ``mode`` on ``chip``: a key of `MODES`, (objective, sweep mode), e.g.
     ('bce', 'fused') for BCE's loss and gradients in one sweep or ('softmax', 'grad'). ``who``
-    (the strategy's name) is named in errors.
+    (the strategy's name) is named in errors; ``temps``: the [bs, bv] f32 temporaries of the kernel's
+    tile (its per-logit term declares them; None: `MODES`'s count).
 
     Explicit ``opts.block_n`` / ``opts.block_v`` are used as given (clamped to
     the problem size) and must obey the tiling rule and fit the VMEM budget:
-    anything else is a ValueError naming the value, the rule and the budget.
+    anything else is a ValueError naming the value, the rule and the budget. Otherwise the sub-tile
+    and vocab block are the chip's measured ones (`recloss.pallas.tuned`) where it has an entry for
+    the mode, dtype and D, else the heuristic targets, shrunk to fit the budget either way.
     """
     import numpy as np
     if mode not in MODES:
@@ -263,15 +268,18 @@ def choose(mode: tuple, m: int, v_local: int, d: int, a_dtype, e_dtype, opts: Lo
                          f"{np.dtype(a_dtype).name} hidden states: the TPU (8, 128) tiling rule needs "
                          f"a multiple of {sub} rows; {where}")
 
+    temps = spec.temps if temps is None else int(temps)
+
     def estimate(bn, bs, bv, chunks, resident_buffers=2):
         return vmem_estimate(mode, bn, bs, bv, d_pad, a_bytes, e_bytes, bias=bias,
-                             accumulate=chunks > 1 and spec.grad, resident_buffers=resident_buffers)
+                             accumulate=chunks > 1 and spec.grad, resident_buffers=resident_buffers, temps=temps)
 
-    p = _Problem(m, _round_up(max(m, 1), sub), v_local, _round_up(v_local, LANES), d, d_pad, sub, spec.temps,
+    p = _Problem(m, _round_up(max(m, 1), sub), v_local, _round_up(v_local, LANES), d, d_pad, sub, temps,
                  budget, who, where, estimate, spec.grad and e_bytes < 4)
     if opts.block_n is not None:
         return _explicit_rows(p, opts, chip)
-    return _automatic_rows(p, opts, chip)
+    from recloss.pallas import tuned
+    return _automatic_rows(p, opts, chip, tuned.blocks(chip.name, mode, np.dtype(e_dtype).name, d))
 
 
 def _explicit_rows(p: _Problem, opts: LossOptions, chip: Chip) -> Tiling:
@@ -292,15 +300,18 @@ def _explicit_rows(p: _Problem, opts: LossOptions, chip: Chip) -> Tiling:
     return Tiling(bn, bs, bv, chunks, _cores(chip, p.v_local, bv), p.d_pad, need, chip)
 
 
-def _automatic_rows(p: _Problem, opts: LossOptions, chip: Chip) -> Tiling:
-    """Sub-tiles and blocks within the temporaries' share of the budget, then all rows in one resident
-    tile when they fit (no dE accumulation in HBM), else the fewest row chunks that fit."""
-    bv = min(opts.block_v or _BV_TARGET, p.v_pad)
-    bs = min(_BS_TARGET, p.m_pad)
+def _automatic_rows(p: _Problem, opts: LossOptions, chip: Chip, measured=None) -> Tiling:
+    """Sub-tiles and blocks within the temporaries' share of the budget (``measured`` (bs, bv), the
+    chip's tuned entry, as they are), then all rows in one resident tile when they fit (no dE
+    accumulation in HBM), else the fewest row chunks that fit."""
+    bs_target, bv_target = measured or (_BS_TARGET, _BV_TARGET)
+    bv = min(opts.block_v or bv_target, p.v_pad)
+    bs = min(bs_target, p.m_pad)
     temps = lambda bs_, bv_: p.temps * bs_ * bv_ * 4
-    while temps(bs, bv) > p.budget * _TEMP_SHARE and opts.block_v is None and bv > 2 * LANES:
+    share = 1.0 if measured else _TEMP_SHARE      # a measured entry ran at its sizes on the chip
+    while temps(bs, bv) > p.budget * share and opts.block_v is None and bv > 2 * LANES:
         bv = _halve(bv)
-    while temps(bs, bv) > p.budget * _TEMP_SHARE and bs > 128:
+    while temps(bs, bv) > p.budget * share and bs > 128:
         bs = max(128, _round_up(bs // 2, p.sub))
     est = p.estimate
     # Wide hidden states (D in the thousands: LLM decoders) make the blocks' [bv, D] and [bs, D] buffers,

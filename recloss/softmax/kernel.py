@@ -35,6 +35,8 @@ loop with dE/db accumulated in HBM and the cost estimates are the grid's.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -94,12 +96,17 @@ def _loss_spec(opts: LossOptions, bv: int) -> grid.Spec:
                      soft_cap=opts.logit_soft_cap)
 
 
-def lse_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+def _spec_of(spec: grid.Spec, transform) -> grid.Spec:
+    return spec if transform is None else transform(spec)
+
+
+def lse_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *, transform=None) -> sweep_lib.SweepOut:
     """'loss' mode of the `cutce_pallas` plan: SweepOut(lse [M], (row max [M], argmax id [M]) or
-    None) of rows ``a`` [M, D] against ``e`` [V_local, D] (``r``, ``fwd`` unused)."""
+    None) of rows ``a`` [M, D] against ``e`` [V_local, D] (``r``, ``fwd`` unused); ``transform``: a
+    function of the grid spec (a roofline probe, `recloss.pallas.grid.probe`) or None."""
     t = _tiling("loss", a, e, b, p)
-    res = grid.sweep(_loss_spec(p.opts, t.bv), t, a, e, b, vocab_offset, vocab_size=p.vocab_size,
-                     static_offset=p.static_offset, interpret=p.interpret)
+    res = grid.sweep(_spec_of(_loss_spec(p.opts, t.bv), transform), t, a, e, b, vocab_offset,
+                     vocab_size=p.vocab_size, static_offset=p.static_offset, interpret=p.interpret)
     m_l, s_l = res.lanes("m"), res.lanes("s")            # [M, cores·128]
     m = jnp.max(m_l, axis=-1)
     s = jnp.sum(s_l * jnp.exp(m_l - m[:, None]), axis=-1)
@@ -122,7 +129,7 @@ def _grad_spec(opts: LossOptions) -> grid.Spec:
     return grid.Spec("cutce_grad", True, (), tile, flops=6, transcendentals=1, soft_cap=opts.logit_soft_cap)
 
 
-def grad_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_lib.SweepOut:
+def grad_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None, *, transform=None) -> sweep_lib.SweepOut:
     """'grad' mode of the `cutce_pallas` plan (the recompute): with ``fwd`` = the forward's lse
     [M] and r [M] the cotangent, SweepOut(da=, de=, db=) as `recloss.softmax.cut.grad_sweep`."""
     lse = fwd
@@ -132,12 +139,22 @@ def grad_sweep(a, e, b, r, vocab_offset, p: sweep_lib.Plan, fwd=None) -> sweep_l
     big = -partition.NEG
     lse = jnp.where(jnp.isneginf(lse), big, lse)
     rows = [("r", r * inv_t if inv_t != 1.0 else r, 0.0), ("lse", lse, big)]
-    res = grid.sweep(_grad_spec(p.opts), t, a, e, b, vocab_offset, rows=rows, vocab_size=p.vocab_size,
+    res = grid.sweep(_spec_of(_grad_spec(p.opts), transform), t, a, e, b, vocab_offset, rows=rows,
+                     vocab_size=p.vocab_size,
                      static_offset=p.static_offset, interpret=p.interpret)
     da = res.summed("da", a.shape[1])
     de, db = res.table_grads()
     return sweep_lib.SweepOut(da=da, de=de, db=db)
 
 
+def sweeps(transform=None) -> sweep_lib.Sweeps:
+    """The kernels' `recloss.sweep.Sweeps`, each grid spec passed through ``transform`` first (None: the
+    kernels themselves; `recloss.pallas.grid.probe` for a roofline probe)."""
+    if transform is None:
+        return sweep_lib.Sweeps(loss=lse_sweep, grad=grad_sweep)
+    return sweep_lib.Sweeps(loss=functools.partial(lse_sweep, transform=transform),
+                            grad=functools.partial(grad_sweep, transform=transform))
+
+
 # The `cutce_pallas` plan's `recloss.sweep.Sweeps`.
-SWEEPS = sweep_lib.Sweeps(loss=lse_sweep, grad=grad_sweep)
+SWEEPS = sweeps()

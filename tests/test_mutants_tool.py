@@ -14,10 +14,10 @@ import pytest
 
 from tools import mutants
 
-pytestmark = pytest.mark.tier1
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.tier1
 def test_every_mutant_applies_once_and_still_parses():
     assert len(mutants.MUTANTS) >= 24
     names = [m.name for m in mutants.MUTANTS]
@@ -29,6 +29,7 @@ def test_every_mutant_applies_once_and_still_parses():
         ast.parse(text.replace(m.old, m.new), m.path)          # a mutant is a running program, not a syntax error
 
 
+@pytest.mark.tier2      # a pytest collection of every file the mutants name (~8 s)
 def test_every_named_test_exists():
     """Each node id a mutant names is a test pytest collects (a renamed test or case fails here)."""
     nodes = {n for m in mutants.MUTANTS for n in m.tests}
@@ -44,6 +45,7 @@ def test_every_named_test_exists():
                 f"{node} is not a collected test"
 
 
+@pytest.mark.tier1
 def test_the_record_covers_every_mutant_and_renders():
     data = mutants.json.loads(mutants.RECORD.read_text())
     last = data["runs"][-1]
@@ -55,12 +57,14 @@ def test_the_record_covers_every_mutant_and_renders():
         assert f"`{m.name}`" in table
 
 
+@pytest.mark.tier1
 def test_margin_reads_the_failing_checks_message():
     assert mutants.margin("loss: relative error 0.05 > 1e-05") == pytest.approx(5000.0)
     assert mutants.margin("d/dtable: 3 entries past their bound, the worst 32.6x its bound at (1, 2)") == 32.6
     assert mutants.margin("metric top1: got 6.0, oracle 8.0") is None
 
 
+@pytest.mark.tier2      # three pytest runs in a copied toy tree (~8 s)
 def test_a_toy_tree_caught_survived_and_unproven(tmp_path):
     """Three mutants of a toy module: one its test catches, one it cannot see, one whose test fails on
     the clean tree too (not caught: the failure proves nothing)."""

@@ -45,11 +45,9 @@ from recloss.pallas import grid, tiling
 _MODES = {"fused": (True, True), "loss": (True, False), "grad": (False, True)}   # (value, gradient)
 
 
-def _spec(mode: str, opts: LossOptions, bv: int, interpret=False) -> grid.Spec:
+def _spec(mode: str, opts: LossOptions, bv: int) -> grid.Spec:
     """The grid spec of ``mode``: the background's `Bernoulli.tile` per sub-tile into the bg lanes (and
-    the predicted-positive counts), G = ∂bg/∂x·r into the products. In interpret mode the approximate
-    reciprocal is a bfloat16 one: two Newton steps reach float32 (one after a TPU's)."""
-    newton = 2 if interpret else 1
+    the predicted-positive counts), G = ∂bg/∂x·r into the products."""
     loss, grad = _MODES[mode]
     count = loss and opts.compute_metrics
     term = Bernoulli.background(opts)
@@ -57,7 +55,7 @@ def _spec(mode: str, opts: LossOptions, bv: int, interpret=False) -> grid.Spec:
 
     def tile(st: grid.Step):
         ref, rows = st.ref, st.rows
-        out = term.tile(st.x, st.live, value=loss, grad=grad, newton=newton)
+        out = term.tile(st.x, st.live, value=loss, grad=grad)
         if loss:
             ref["bg"][rows, :] += out.lanes
             if count:    # x > threshold; a dead column is not counted
@@ -100,7 +98,7 @@ def sweep(mode: str, a, e, b, r, vocab_offset, plan: sweep_lib.Plan, fwd=None, s
     t = tiling.choose(("bce", mode), m, v, d, a.dtype, e.dtype, opts, bias=b is not None, chip=plan.chip,
                       who=plan.owner, temps=temporaries(mode, opts))
     loss, grad = _MODES[mode]
-    spec = _spec(mode, opts, t.bv, interpret=bool(plan.interpret))
+    spec = _spec(mode, opts, t.bv)
     res = grid.sweep(spec if transform is None else transform(spec), t, a, e, b, vocab_offset,
                      rows=[("r", r, 0.0)] if grad else [],
                      vocab_size=plan.vocab_size, static_offset=plan.static_offset,

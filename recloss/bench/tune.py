@@ -75,11 +75,12 @@ def run(shapes: Sequence[str], rounds: int = 5, seed: int = 0, log=chip_lib._log
         shape = chip_lib.SHAPES[key]
         name = chip_lib.STRATEGIES[shape.objective][-1]
         h, e, t = chip_lib._inputs(shape, seed)
-        loss = lambda h, e, t: shape.entry(h, e, t, strategy=name).loss
-        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         rows: Dict[str, dict] = {}
         compiled = {}
         for cand in (HEURISTIC,) + CANDIDATES:
+            # A new function each time: jit would reuse the first trace, and the tiling is chosen while tracing.
+            loss = lambda h, e, t: shape.entry(h, e, t, strategy=name).loss
+            fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
             label = cand if cand == HEURISTIC else f"bs={cand[0]} bv={cand[1]}"
             ctx = unforced(chip) if cand == HEURISTIC else forced(chip, shape.objective, shape.dtype, shape.D, *cand)
             try:

@@ -28,8 +28,10 @@ def table(chip: str) -> Optional[dict]:
 
 
 def chips() -> Tuple[str, ...]:
-    """The chips the package has measured tables for."""
+    """The chips the package has measured tables for (none yet: () )."""
     folder = resources.files("recloss.pallas").joinpath("tuned")
+    if not folder.is_dir():
+        return ()
     return tuple(sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json")))
 
 

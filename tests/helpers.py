@@ -182,7 +182,8 @@ def planted_case(rng, *, m, v, rows, plant, d=16, l=6, bias=True, dtype=jnp.floa
     coordinate 1 + j belongs to planted column ``plant[j]``: rows i ≥ 1 with i − 1 ≡ j (mod len(plant))
     have 1 there and the table row ``plant[j]`` has ``plant_logit`` (with ``other_logit``, every other row
     has other_logit / plant_logit there: the column is then strongly negative for the rows not planted on
-    it). The other coordinates are noise (logits ≈ N(0, 0.25)). Targets per row: its planted column, a
+    it; a planted column has no noise and no bias, so its own rows' logit is exactly ``plant_logit``,
+    their argmax). The other coordinates are noise (logits ≈ N(0, 0.25)). Targets per row: its planted column, a
     live id that is not planted, an invalid id (v: a padding row when rows > v; rows; −2), the planted
     column again (a duplicate two places later), a live id that is not planted, pad_id; row 0 is all
     padding and planted on no column. ``twins``: (c, c′) pairs (`twins_of`): table row and bias c′ are
@@ -200,6 +201,7 @@ def planted_case(rng, *, m, v, rows, plant, d=16, l=6, bias=True, dtype=jnp.floa
     own = np.where(np.arange(m) == 0, -1, (np.arange(m) - 1) % k)
     for j, c in enumerate(plant):
         assert 0 <= c < v, (c, v)
+        e[c, 1 + k:] = 0.0                 # its logit is exactly plant_logit (or other_logit): no noise
         e[c, 1 + j] = plant_logit
         h[:, 1 + j] = 0.0 if other_logit is None else other_logit / plant_logit
         h[own == j, 1 + j] = 1.0
@@ -218,6 +220,7 @@ def planted_case(rng, *, m, v, rows, plant, d=16, l=6, bias=True, dtype=jnp.floa
     if bias:
         b = rng.normal(-0.5, 0.5, size=rows)
         b[v:] = PAD_LOGIT
+        b[list(plant)] = 0.0
         for c, twin in twins:
             b[twin] = b[c]
     # Multiples of 2⁻⁶: every product and partial sum of a logit is exact in float32, in any order, so twins

@@ -14,7 +14,7 @@ import pytest
 import recloss
 from helpers import SOFTMAX_OPTIONS, assert_matches, make_inputs, make_layout, strategies
 
-pytestmark = pytest.mark.tier1
+pytestmark = pytest.mark.tier2
 
 # Every option of each objective at a non-default value; softmax strategies refuse label smoothing
 # with a cap (its ε/V·Σ_v x_v is a column sum of uncapped logits).

@@ -28,7 +28,7 @@ def table(chip: str) -> Optional[dict]:
 
 
 def chips() -> Tuple[str, ...]:
-    """The chips the package has measured tables for (none yet: () )."""
+    """The chips the package has measured tables for, e.g. ('v5e',)."""
     folder = resources.files("recloss.pallas").joinpath("tuned")
     if not folder.is_dir():
         return ()

@@ -12,10 +12,12 @@ pytestmark = pytest.mark.tier2
 
 
 def test_a_bfloat16_item_table_reaches_the_float32_tables_hit_at_8(tmp_path):
+    # Half the default job's 500 steps: both tables are past 0.92 test hit@8 by then (0.928 and 0.928
+    # on one run), and the two runs were the second tier's longest test (712 s of CI's 2 cores).
     hits = {}
     for dtype in ("float32", "bfloat16"):
         cfg = load_config([str(default_config_path()), f"base_output_directory={tmp_path}", f"run_name={dtype}",
-                           "enable_checkpointing=false", "enable_tensorboard=false",
+                           "enable_checkpointing=false", "enable_tensorboard=false", "steps=250",
                            "item_optimizer=rowwise_adagrad", "item_learning_rate=0.03", f"item_table_dtype={dtype}"])
         result = train(cfg, devices=jax.devices()[:1], log=lambda *a: None)
         params = result.state["params"]["item_emb"]["embedding"]

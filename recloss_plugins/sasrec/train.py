@@ -44,6 +44,7 @@ which lists every key with a comment. Examples:
   recloss-train configs/base.yml loss=cutbce_pallas steps=100
   recloss-train configs/base.yml loss=cutce z_loss=1e-4 steps=100
   recloss-train configs/sasrec_yambda.yml compile_topology=v6e-8 loss=dense_bce
+  recloss-train --table3 --json table3.json --rows V=876939,cutbce_pallas   (on a TPU: --table3 --help)
 """
 
 
@@ -391,7 +392,11 @@ def _report_config_changes(path: Path, cfg, say):
 
 # ----------------------------------------------------------------------------- entry point
 def main(argv=None) -> int:
-    cfg, code = command_config("recloss-train", USAGE, sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--table3"]:    # the paper's Table III on this chip (recloss_plugins.sasrec.speed)
+        from recloss_plugins.sasrec import speed
+        return speed.main(argv[1:])
+    cfg, code = command_config("recloss-train", USAGE, argv)
     if cfg is None:
         return code
     try:

@@ -1,0 +1,298 @@
+"""``recloss-train --table3``: the paper's Table III (SASRec's training speed and memory) on the chip it
+runs on, one row at a time, with each row's step taken apart. It refuses any backend but a TPU.
+
+A row is the paper's model (`configs/sasrec_yambda.yml`: 3 layers, D = 256, 8 labels) on synthetic data
+at a vocabulary V, a per-chip batch b and a sequence length N, with one loss strategy and one table mode:
+``f32-adamw`` (float32 tables, AdamW as the rest of the model) or ``bf16-adagrad`` (bfloat16 tables,
+row-wise AdaGrad). For each row:
+
+- **steps/s**: `recloss_plugins.sasrec.train.train` runs ``--steps`` steps logging every ``--window``;
+  the median of the logged windows' steps/s after the first (which holds the compile) is the figure a
+  user sees in their own run (input pipeline and host included);
+- **memory**: the train step compiled for this chip: per-chip bytes by `memory_analysis` (arguments +
+  outputs + temporaries − aliased) and by XLA's own count (`recloss.aot.hbm_bytes`); a step that does not
+  fit gives the compiler's words instead, and the row's other figures are absent;
+- **parts** (timed, medians of ``--rounds`` interleaved rounds, each program compiled on its own): the
+  compiled train step alone on one batch ("device step"), the loss's forward and backward (the strategy
+  on the model's hidden states, its table and bias), the rest of the model's forward and backward (its
+  parameters' gradients through a stand-in loss ⟨hidden, C⟩ for a fixed random C), and the optimizer
+  update (the step's own ``tx.update`` and `optim.apply_updates`). ``parts_sum`` is the sum of the three
+  parts, which `check_parts` holds to the device step.
+
+The record is JSON ({info, rows}); rows merge into an existing file by key, so a run of some rows
+updates only those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+PAPER_V = 876_939
+SMALL_V = 131_072
+TABLES = {
+    "f32-adamw": ("item_table_dtype=float32", "item_optimizer=adamw"),
+    "bf16-adagrad": ("item_table_dtype=bfloat16", "item_optimizer=rowwise_adagrad", "item_learning_rate=0.03"),
+}
+STRATEGIES = ("dense_bce", "cutbce", "cutbce_pallas", "cutce_pallas")
+PARTS_TOLERANCE = 0.10     # the parts' sum within 10 % of the device step
+PAPER_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "sasrec_yambda.yml"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    vocab: int
+    batch: int       # per chip
+    seq: int
+    loss: str
+    tables: str      # a key of TABLES
+
+    @property
+    def key(self) -> str:
+        return f"V={self.vocab} b={self.batch} N={self.seq} {self.loss} {self.tables}"
+
+    def overrides(self, chips: int = 1) -> List[str]:
+        return [f"vocab_size={self.vocab}", f"synthetic_num_items={self.vocab - 1}",
+                f"global_batch_size={self.batch * chips}", f"max_seq_len={self.seq}", f"loss={self.loss}",
+                *TABLES[self.tables]]
+
+
+def paper_rows() -> List[Row]:
+    """Table III's grid: V = 876,939 at per-chip batch 8 and 16 and N = 256 and 512, every strategy and
+    table mode; and V = 131,072 at batch 8, N = 256, where the dense loss's logits fit beside the rest."""
+    rows = [Row(PAPER_V, b, n, s, t) for b in (8, 16) for n in (256, 512) for s in STRATEGIES for t in TABLES]
+    rows += [Row(SMALL_V, 8, 256, s, t) for s in STRATEGIES for t in TABLES]
+    return rows
+
+
+def select(rows: Sequence[Row], pattern: Optional[str]) -> List[Row]:
+    """The rows whose key contains every comma-separated part of ``pattern`` (all rows for None)."""
+    if not pattern:
+        return list(rows)
+    parts = [p.strip() for p in pattern.split(",") if p.strip()]
+    chosen = [r for r in rows if all(p in r.key for p in parts)]
+    if not chosen:
+        raise ValueError(f"--rows {pattern!r} matches no row: keys look like {rows[0].key!r}")
+    return chosen
+
+
+_SPS = re.compile(r"\|\s*([0-9.]+) steps/s\s*\|")
+
+
+def window_rates(lines: Sequence[str]) -> List[float]:
+    """steps/s of each logged window, in order, from the trainer's log lines."""
+    return [float(m.group(1)) for line in lines for m in [_SPS.search(line)] if m]
+
+
+def median_after_first(rates: Sequence[float]) -> Optional[float]:
+    """The median of the windows after the first (which holds the compile); None with fewer than two."""
+    return statistics.median(rates[1:]) if len(rates) >= 2 else None
+
+
+def check_parts(parts: Dict[str, float], tolerance: float = PARTS_TOLERANCE) -> Optional[str]:
+    """None when loss + model + optimizer is within ``tolerance`` of the device step, else what is off."""
+    total = parts["loss_ms"] + parts["model_ms"] + parts["optimizer_ms"]
+    ratio = total / parts["device_step_ms"]
+    if abs(ratio - 1.0) <= tolerance:
+        return None
+    return (f"the parts add to {total:.2f} ms, {ratio:.2f}x the device step's {parts['device_step_ms']:.2f} ms "
+            f"(within {tolerance:.0%} expected)")
+
+
+def _config(row: Row, base: str, extra: Sequence[str], chips: int):
+    from recloss_plugins.config import load_config
+    return load_config([base, "dataset_type=synthetic", "enable_checkpointing=false",
+                        "enable_tensorboard=false", "eval_interval=0", *row.overrides(chips), *extra])
+
+
+def memory(cfg, devices) -> dict:
+    """The train step compiled for ``devices``: {'hbm_bytes', 'xla_bytes', 'temp_bytes'} or {'error'}."""
+    from recloss import aot
+    from recloss_plugins.sasrec import aot as step_aot
+
+    with tempfile.TemporaryDirectory(prefix="recloss-table3-") as dump:
+        try:
+            _, rep, _ = step_aot.compile_step(cfg, devices, cfg.vocab_size, dump_to=dump)
+        except Exception as err:  # noqa: BLE001 - a dense step past the chip's HBM is a result
+            oom = step_aot.compile_oom(err)
+            if oom is None:
+                raise
+            return dict(error=oom)
+        xla = aot.hbm_bytes(dump) if devices[0].platform == "tpu" else None   # off TPU XLA counts no HBM
+    return dict(hbm_bytes=int(rep["total"]), temp_bytes=int(rep["temp"]), xla_bytes=xla)
+
+
+def _median_ms(fn: Callable, rounds: int) -> List[float]:
+    import jax
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def parts(program, state, rounds: int, seed: int = 0) -> Dict[str, float]:
+    """The device step and its three parts at ``program``'s shapes and ``state``'s values, medians of
+    ``rounds`` interleaved rounds (ms)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from recloss_plugins.sasrec import optim
+
+    cfg = program.cfg
+    rng = np.random.default_rng(seed)
+    b, n, l = program.batch_size, cfg.max_seq_len, cfg.num_labels
+    shard = lambda x, sh: jax.device_put(x, sh)
+    batch = {"inputs": shard(rng.integers(1, program.vocab_size, (b, n), dtype=np.int32),
+                             program.batch_shardings["inputs"]),
+             "targets": shard(rng.integers(1, program.vocab_size, (b, n, l), dtype=np.int32),
+                              program.batch_shardings["targets"]),
+             "weights": shard(np.ones((b, n), np.float32), program.batch_shardings["weights"])}
+    inputs = program.step_inputs()
+    step = program.compiled_train_step()
+    params = state["params"]
+    model = nnx.merge(program.graphdef, params)
+    hidden = jax.jit(lambda p, x: nnx.merge(program.graphdef, p)(x))(params, batch["inputs"])
+    table, bias = model.output_table(), model.output_bias()
+    ct = jnp.asarray(rng.normal(size=hidden.shape), hidden.dtype)
+    layout = program.layout if program.manual is None else program.manual
+
+    loss = jax.jit(jax.value_and_grad(
+        lambda h, e, bb: program.strategy(h, e, batch["targets"], batch["weights"], bb, layout=layout).loss,
+        argnums=(0, 1) if bias is None else (0, 1, 2)))
+    rest = jax.jit(jax.value_and_grad(
+        lambda p: jnp.vdot(nnx.merge(program.graphdef, p)(batch["inputs"]).astype(jnp.float32),
+                           ct.astype(jnp.float32))))
+    grads = jax.tree.map(jnp.zeros_like, params)
+
+    @jax.jit
+    def update(g, opt_state, p, key):
+        updates, new_opt = program.tx.update(g, opt_state, p)
+        return optim.apply_updates(p, updates, key), new_opt
+
+    key = jax.random.key(seed)
+    # The step donates its state: it runs on a copy of its own, threaded from call to call.
+    held = {"state": jax.tree.map(jnp.copy, state)}
+
+    def device_step():
+        held["state"], metrics = step(held["state"], batch, inputs)
+        return metrics
+
+    fns = {"device_step_ms": device_step,
+           "loss_ms": lambda: loss(hidden, table, bias),
+           "model_ms": lambda: rest(params),
+           "optimizer_ms": lambda: update(grads, state["opt_state"], params, key)}
+    for fn in fns.values():     # compile and warm each
+        jax.block_until_ready(fn())
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    order = np.random.default_rng(seed)
+    names = list(fns)
+    for _ in range(rounds):
+        for i in order.permutation(len(names)):
+            times[names[i]] += _median_ms(fns[names[i]], 1)
+    return {k: round(statistics.median(v), 3) for k, v in times.items()}
+
+
+def measure(row: Row, base: str, *, steps: int, window: int, rounds: int, extra: Sequence[str] = (),
+            devices=None, log=print, out_dir: Optional[str] = None) -> dict:
+    """One row's record (see the module docstring)."""
+    import jax
+
+    from recloss_plugins.sasrec.train import train
+
+    devices = list(jax.devices()[:1] if devices is None else devices)
+    cfg = _config(row, base, [f"steps={steps}", f"log_period={window}", *extra], len(devices))
+    rec = dict(key=row.key, **dataclasses.asdict(row), steps=steps, window=window)
+    t0 = time.perf_counter()
+    rec.update(memory(cfg, devices))
+    if "error" in rec:
+        log(f"[table3] {row.key}: does not fit: {rec['error']}")
+        return rec
+    lines: List[str] = []
+    with tempfile.TemporaryDirectory(prefix="recloss-table3-run-") as tmp:
+        cfg = _config(row, base, [f"steps={steps}", f"log_period={window}", f"base_output_directory={out_dir or tmp}",
+                                  f"run_name=table3", *extra], len(devices))
+        result = train(cfg, devices=devices, log=lines.append)
+    rates = window_rates(lines)
+    rec.update(windows=[round(r, 3) for r in rates], steps_per_sec=median_after_first(rates))
+    rec.update(parts(result.program, result.state, rounds))
+    rec["parts_sum_ms"] = round(rec["loss_ms"] + rec["model_ms"] + rec["optimizer_ms"], 3)
+    rec["parts_check"] = check_parts(rec)
+    rec["wall_s"] = round(time.perf_counter() - t0, 1)
+    xla = "-" if rec["xla_bytes"] is None else f"{rec['xla_bytes'] / 2**30:.2f}"
+    log(f"[table3] {row.key}: {rec['steps_per_sec']} steps/s, {rec['hbm_bytes'] / 2**30:.2f} GiB (XLA {xla}); "
+        f"step {rec['device_step_ms']} ms = loss {rec['loss_ms']} + model {rec['model_ms']} + optimizer "
+        f"{rec['optimizer_ms']} ({rec['parts_sum_ms']} ms) in {rec['wall_s']} s")
+    return rec
+
+
+def merge(path: Path, info: dict, rows: Sequence[dict]) -> dict:
+    """``rows`` merged into the record at ``path`` by key (a row of the same key replaced in place)."""
+    data = json.loads(path.read_text()) if path.exists() else dict(info=info, rows=[])
+    by_key = {r["key"]: i for i, r in enumerate(data["rows"])}
+    for r in rows:
+        if r["key"] in by_key:
+            data["rows"][by_key[r["key"]]] = r
+        else:
+            data["rows"].append(r)
+    data["info"] = info
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="recloss-train --table3", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True, help="the record to write (rows merge in by key)")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated parts every chosen row's key contains, e.g. 'V=876939,b=8 ,cutbce_pallas'"
+                             " (default: every row of Table III's grid)")
+    parser.add_argument("--config", default=None, help="the base config (default configs/sasrec_yambda.yml)")
+    parser.add_argument("--steps", type=int, default=200, help="steps each row trains (default %(default)s)")
+    parser.add_argument("--window", type=int, default=25, help="steps a logged window (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the parts (default %(default)s)")
+    parser.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)   # the tests' tiny rows
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every row (e.g. synthetic_num_users=2000)")
+    args = parser.parse_args(argv)
+    import jax
+
+    from recloss import aot
+
+    if jax.default_backend() != "tpu" and not args.allow_cpu:
+        print(f"recloss-train --table3 measures a TPU; JAX's backend here is {jax.default_backend()!r}",
+              file=sys.stderr)
+        return 2
+    if args.steps < 2 * args.window:
+        parser.error(f"--steps {args.steps} must be at least two windows of --window {args.window}: the first "
+                     f"holds the compile")
+    base = args.config or str(PAPER_CONFIG)
+    if not Path(base).is_file():
+        parser.error(f"no config at {base}: pass --config (the paper's model is configs/sasrec_yambda.yml in "
+                     f"the repository)")
+    rows = select(paper_rows(), args.rows)
+    info = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, libtpu=aot.libtpu_version() or "unknown",
+                date=time.strftime("%Y-%m-%d"), steps=args.steps, window=args.window, rounds=args.rounds,
+                config=Path(base).name, overrides=list(args.overrides))
+    done = []
+    for i, row in enumerate(rows, 1):
+        print(f"[table3] {i}/{len(rows)} {row.key}", flush=True)
+        done.append(measure(row, base, steps=args.steps, window=args.window, rounds=args.rounds,
+                            extra=args.overrides, log=lambda *a: print(*a, flush=True)))
+        merge(Path(args.json), info, done[-1:])
+    print(f"[table3] wrote {args.json}: {len(done)} rows", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""recloss-train --table3 (recloss_plugins.sasrec.speed): its grid, its parsing of the trainer's log, the
+parts check, the record's merge, and one tiny row end to end on CPU."""
+
+import json
+import types
+
+import jax
+import pytest
+
+from recloss_plugins.sasrec import speed
+
+@pytest.mark.tier1
+def test_the_grid_is_table_iii_and_the_small_vocabulary():
+    rows = speed.paper_rows()
+    keys = [r.key for r in rows]
+    assert len(keys) == len(set(keys)) == 2 * 2 * 4 * 2 + 4 * 2
+    assert {(r.batch, r.seq) for r in rows if r.vocab == speed.PAPER_V} == {(8, 256), (8, 512), (16, 256), (16, 512)}
+    assert {r.loss for r in rows} == set(speed.STRATEGIES) and {r.tables for r in rows} == set(speed.TABLES)
+    row = speed.Row(speed.PAPER_V, 16, 512, "cutbce_pallas", "bf16-adagrad")
+    assert "global_batch_size=64" in row.overrides(chips=4) and "item_table_dtype=bfloat16" in row.overrides()
+    assert f"synthetic_num_items={speed.PAPER_V - 1}" in row.overrides()
+
+
+@pytest.mark.tier1
+def test_rows_are_chosen_by_every_part_of_the_pattern():
+    rows = speed.paper_rows()
+    chosen = speed.select(rows, "V=876939,b=8 ,cutbce_pallas")
+    assert chosen and all(r.vocab == speed.PAPER_V and r.batch == 8 and r.loss == "cutbce_pallas" for r in chosen)
+    assert len(chosen) == 2 * 2          # N 256 and 512, two table modes
+    assert speed.select(rows, None) == rows
+    with pytest.raises(ValueError, match="matches no row"):
+        speed.select(rows, "V=5")
+
+
+@pytest.mark.tier1
+def test_the_windows_come_from_the_trainers_log_lines_and_the_first_is_left_out():
+    lines = ["config: ...", "step 25/100 | loss 0.5 | grad_norm 1 | lr 0.001 | 3.10 steps/s | 99 items/s | ETA 1m",
+             "step 50/100 | loss 0.4 | grad_norm 1 | lr 0.001 | 30.00 steps/s | 990 items/s | ETA 1s",
+             "eval ...", "step 75/100 | loss 0.4 | grad_norm 1 | lr 0.001 | 32.50 steps/s | 990 items/s | ETA 1s",
+             "step 100/100 | loss 0.4 | grad_norm 1 | lr 0.001 | 31.00 steps/s | 990 items/s | ETA 0s"]
+    rates = speed.window_rates(lines)
+    assert rates == [3.1, 30.0, 32.5, 31.0]
+    assert speed.median_after_first(rates) == 31.0
+    assert speed.median_after_first(rates[:1]) is None
+
+
+@pytest.mark.tier1
+def test_parts_that_do_not_add_up_to_the_step_are_named():
+    ok = dict(device_step_ms=10.0, loss_ms=5.0, model_ms=3.5, optimizer_ms=1.0)
+    assert speed.check_parts(ok) is None
+    short = dict(ok, model_ms=2.0)
+    assert "0.80x" in speed.check_parts(short)
+    assert speed.check_parts(dict(ok, loss_ms=6.6)) is not None
+
+
+@pytest.mark.tier1
+def test_the_record_merges_rows_by_key(tmp_path):
+    path = tmp_path / "t3.json"
+    speed.merge(path, dict(date="a"), [dict(key="x", v=1), dict(key="y", v=2)])
+    data = speed.merge(path, dict(date="b"), [dict(key="y", v=3), dict(key="z", v=4)])
+    assert [(r["key"], r["v"]) for r in data["rows"]] == [("x", 1), ("y", 3), ("z", 4)]
+    assert json.loads(path.read_text())["info"] == dict(date="b")
+
+
+@pytest.mark.tier1
+def test_off_a_tpu_it_refuses(capsys):
+    if jax.default_backend() == "tpu":
+        pytest.skip("this host has a TPU")
+    assert speed.main(["--json", "unused.json"]) == 2
+    assert "measures a TPU" in capsys.readouterr().err
+
+
+@pytest.mark.tier2
+def test_a_tiny_row_end_to_end_on_cpu(tmp_path):
+    """One small row through the whole measurement (trainer windows, compiled memory, timed parts)."""
+    from recloss_plugins.config import default_config_path
+    row = speed.Row(vocab=301, batch=4, seq=16, loss="cutbce", tables="bf16-adagrad")
+    rec = speed.measure(row, str(default_config_path()), steps=20, window=5, rounds=2,
+                        extra=["synthetic_num_users=64", "emb_dim=32", "num_heads=2", "mlp_dim=64", "num_layers=1",
+                               "eval_batch_size=64"], log=print)
+    assert len(rec["windows"]) == 4 and rec["steps_per_sec"] > 0
+    assert rec["hbm_bytes"] > 0 and rec["device_step_ms"] > 0
+    for part in ("loss_ms", "model_ms", "optimizer_ms"):
+        assert 0 < rec[part] < 10 * rec["device_step_ms"], (part, rec)
+    assert rec["parts_sum_ms"] == pytest.approx(rec["loss_ms"] + rec["model_ms"] + rec["optimizer_ms"], abs=1e-2)
+
+
+@pytest.mark.tier1
+def test_a_step_past_the_chips_memory_is_recorded_with_the_compilers_words(monkeypatch):
+    from recloss_plugins.sasrec import aot as step_aot
+
+    def refuse(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+                           "space hbm. Used 19.36G of 15.75G hbm. Exceeded hbm capacity by 3.61G.")
+    monkeypatch.setattr(step_aot, "compile_step", refuse)
+    got = speed.memory(types.SimpleNamespace(vocab_size=10), [jax.devices()[0]])
+    assert set(got) == {"error"} and "19.36G of 15.75G" in got["error"]
+
+    def broken(*a, **k):
+        raise RuntimeError("some other compile failure")
+    monkeypatch.setattr(step_aot, "compile_step", broken)
+    with pytest.raises(RuntimeError, match="some other"):
+        speed.memory(types.SimpleNamespace(vocab_size=10), [jax.devices()[0]])

@@ -83,21 +83,28 @@ def test_a_tiny_row_end_to_end_on_cpu(tmp_path):
     for part in ("loss_ms", "model_ms", "optimizer_ms"):
         assert 0 < rec[part] < 10 * rec["device_step_ms"], (part, rec)
     assert rec["parts_sum_ms"] == pytest.approx(rec["loss_ms"] + rec["model_ms"] + rec["optimizer_ms"], abs=1e-2)
+    assert rec["compiles"] == 1, rec     # the step compiled once, for its memory, and reused by the run
 
 
 @pytest.mark.tier1
 def test_a_step_past_the_chips_memory_is_recorded_with_the_compilers_words(monkeypatch):
-    from recloss_plugins.sasrec import aot as step_aot
+    from recloss_plugins.sasrec import program as program_lib
 
-    def refuse(*a, **k):
-        raise RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
-                           "space hbm. Used 19.36G of 15.75G hbm. Exceeded hbm capacity by 3.61G.")
-    monkeypatch.setattr(step_aot, "compile_step", refuse)
-    got = speed.memory(types.SimpleNamespace(vocab_size=10), [jax.devices()[0]])
-    assert set(got) == {"error"} and "19.36G of 15.75G" in got["error"]
+    class Refusing:
+        def __init__(self, words):
+            self.words = words
 
-    def broken(*a, **k):
-        raise RuntimeError("some other compile failure")
-    monkeypatch.setattr(step_aot, "compile_step", broken)
+        def compiled_train_step(self, compiler_options=None):
+            raise RuntimeError(self.words)
+
+    cfg = types.SimpleNamespace(vocab_size=10)
+    mesh = lambda cfg, devices: None
+    monkeypatch.setattr("recloss_plugins.sasrec.parallel.build_mesh", mesh)
+    monkeypatch.setattr(program_lib, "program_for", lambda *a, **k: Refusing(
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+        "Used 19.36G of 15.75G hbm. Exceeded hbm capacity by 3.61G."))
+    got, program = speed.memory(cfg, [jax.devices()[0]])
+    assert program is None and set(got) == {"error"} and "19.36G of 15.75G" in got["error"]
+    monkeypatch.setattr(program_lib, "program_for", lambda *a, **k: Refusing("some other compile failure"))
     with pytest.raises(RuntimeError, match="some other"):
-        speed.memory(types.SimpleNamespace(vocab_size=10), [jax.devices()[0]])
+        speed.memory(cfg, [jax.devices()[0]])

@@ -212,11 +212,12 @@ class Program:
         """The train step lowered for the abstract state, batch and step inputs."""
         return self.train_step.lower(self.abstract_state, self.abstract_batch(), self.abstract_inputs())
 
-    def compiled_train_step(self):
-        """The train step compiled for the abstract state and batch (once per Program)."""
+    def compiled_train_step(self, compiler_options=None):
+        """The train step compiled for the abstract state and batch (once per Program; ``compiler_options``,
+        e.g. `recloss.aot.dump_options`, apply to that one compile)."""
         if self._compiled is None:
             with pinned_random():
-                self._compiled = self.lowered_train_step().compile()
+                self._compiled = self.lowered_train_step().compile(compiler_options=compiler_options)
         return self._compiled
 
     def abstract_inputs(self):

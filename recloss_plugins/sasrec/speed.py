@@ -113,21 +113,26 @@ def _config(row: Row, base: str, extra: Sequence[str], chips: int):
                         "enable_tensorboard=false", "eval_interval=0", *row.overrides(chips), *extra])
 
 
-def memory(cfg, devices) -> dict:
-    """The train step compiled for ``devices``: {'hbm_bytes', 'xla_bytes', 'temp_bytes'} or {'error'}."""
+def memory(cfg, devices):
+    """(figures, Program): the train step compiled for ``devices`` in the Program `train` then reuses
+    (one compile a row); figures {'hbm_bytes', 'xla_bytes', 'temp_bytes'} or, past the chip's memory,
+    {'error'} (and no Program)."""
     from recloss import aot
-    from recloss_plugins.sasrec import aot as step_aot
+    from recloss_plugins.sasrec import aot as step_aot, parallel
+    from recloss_plugins.sasrec.program import program_for
 
+    program = program_for(cfg, parallel.build_mesh(cfg, devices), cfg.vocab_size)
     with tempfile.TemporaryDirectory(prefix="recloss-table3-") as dump:
         try:
-            _, rep, _ = step_aot.compile_step(cfg, devices, cfg.vocab_size, dump_to=dump)
+            compiled = program.compiled_train_step(compiler_options=aot.dump_options(dump))
         except Exception as err:  # noqa: BLE001 - a dense step past the chip's HBM is a result
             oom = step_aot.compile_oom(err)
             if oom is None:
                 raise
-            return dict(error=oom)
+            return dict(error=oom), None
         xla = aot.hbm_bytes(dump) if devices[0].platform == "tpu" else None   # off TPU XLA counts no HBM
-    return dict(hbm_bytes=int(rep["total"]), temp_bytes=int(rep["temp"]), xla_bytes=xla)
+    rep = aot.memory_report(compiled)
+    return dict(hbm_bytes=int(rep["total"]), temp_bytes=int(rep["temp"]), xla_bytes=xla), program
 
 
 def _median_ms(fn: Callable, rounds: int) -> List[float]:
@@ -212,18 +217,19 @@ def measure(row: Row, base: str, *, steps: int, window: int, rounds: int, extra:
     from recloss_plugins.sasrec.train import train
 
     devices = list(jax.devices()[:1] if devices is None else devices)
-    cfg = _config(row, base, [f"steps={steps}", f"log_period={window}", *extra], len(devices))
     rec = dict(key=row.key, **dataclasses.asdict(row), steps=steps, window=window)
     t0 = time.perf_counter()
-    rec.update(memory(cfg, devices))
-    if "error" in rec:
-        log(f"[table3] {row.key}: does not fit: {rec['error']}")
-        return rec
     lines: List[str] = []
     with tempfile.TemporaryDirectory(prefix="recloss-table3-run-") as tmp:
         cfg = _config(row, base, [f"steps={steps}", f"log_period={window}", f"base_output_directory={out_dir or tmp}",
-                                  f"run_name=table3", *extra], len(devices))
+                                  "run_name=table3", *extra], len(devices))
+        figures, program = memory(cfg, devices)
+        rec.update(figures)
+        if "error" in rec:
+            log(f"[table3] {row.key}: does not fit: {rec['error']}")
+            return rec
         result = train(cfg, devices=devices, log=lines.append)
+    rec["compiles"] = 1 if result.program is program else 2     # `train` reused the step compiled above
     rates = window_rates(lines)
     rec.update(windows=[round(r, 3) for r in rates], steps_per_sec=median_after_first(rates))
     rec.update(parts(result.program, result.state, rounds))

@@ -15,7 +15,7 @@ import pytest
 import recloss
 from recloss import sweep
 from helpers import assert_close, pallas_calls
-from oracle import bce_oracle
+from oracle import bce_oracle, pq_terms, sigmoid_pair
 from recloss.pallas import strategy as pallas_strategy
 from recloss.bce.strategies import CutBCEPallas
 from recloss.pallas import tiling
@@ -155,12 +155,12 @@ def test_traced_vocab_offset_under_jit(rng):
         _close(p1, p2, 0, 0)
         live = min(v_local, max(0, vocab_size - offset))
         x = np.asarray(hidden, np.float64) @ np.asarray(table, np.float64).T + np.asarray(b)[None]
-        want = np.sum(np.asarray(r) * _softplus(x[:, :live]).sum(-1))   # default ε=0: Q = softplus
+        per_row = _softplus(x[:, :live]).sum(-1)                  # default ε=0: Q = softplus
+        want = np.sum(np.asarray(r) * per_row)
         # Each against float64, not against each other: a chip's exp is within 8e-6 relative (helpers), so
         # the two float32 sweeps can differ entry-wise by more than either differs from the truth in norm.
-        sg = np.where(np.arange(v_local)[None, :] < live, 1 / (1 + np.exp(-x)), 0.0) * np.asarray(r)[:, None]
-        want_g = (sg @ np.asarray(table, np.float64), sg.T @ np.asarray(hidden, np.float64), sg.sum(0),
-                  _softplus(x[:, :live]).sum(-1))
+        sg = np.where(np.arange(v_local)[None, :] < live, sigmoid_pair(x)[0], 0.0) * np.asarray(r)[:, None]
+        want_g = (sg @ np.asarray(table, np.float64), sg.T @ np.asarray(hidden, np.float64), sg.sum(0), per_row)
         for name, g in (("cutbce_pallas", g1), ("cutbce", g2)):
             for what, got, truth in zip(("dhidden", "dtable", "dbias", "dweights"), g, want_g):
                 assert_close(got, truth, 2e-5, f"{name} {what} at offset {offset}")
@@ -353,13 +353,12 @@ def test_the_terms_tile_is_its_value_and_gradient(opts, rng):
     x = rng.uniform(-30, 30, size=(16, 512)).astype(np.float32)
     x[:, ::7] = 0.0
     live = np.arange(512)[None, :] < 450
-    # float64 truth: kq·softplus(x) + kp·softplus(−x) and its derivative (not the float32 `value_and_grad`,
-    # whose log1p on a v5e is ~1e-4 off at these lane sums where the tile's Newton-refined log is ~1e-5).
-    x64, kp, kq, gam = x.astype(np.float64), term.kp, term.kq, term.gamma
-    s, sp, sn = 1 / (1 + np.exp(-x64)), _softplus(x64), _softplus(-x64)
-    want_lanes = np.where(live, kq * s**gam * sp + kp * (1 - s)**gam * sn, 0.0).reshape(16, 4, 128).sum(1)
-    want_g = (kq * (gam * s**gam * (1 - s) * sp + s**(gam + 1))
-              - kp * (gam * (1 - s)**gam * s * sn + (1 - s)**(gam + 1)))[:, :450]
+    # float64 truth, the oracle's k_p·P + k_q·Q and its derivative (not the float32 `value_and_grad`, whose
+    # log1p on a v5e is ~1e-4 off at these lane sums where the tile's Newton-refined log is ~1e-5).
+    kp, kq = term.kp, term.kq
+    p, q, dp, dq = pq_terms(x.astype(np.float64), focal_gamma=term.gamma)
+    want_lanes = np.where(live, kp * p + kq * q, 0.0).reshape(16, 4, 128).sum(1)
+    want_g = (kp * dp + kq * dq)[:, :450]
     tpu = jax.default_backend() == "tpu"
     x[:, 450:] = np.nan
     out = jax.jit(lambda x: term.tile(x, jnp.asarray(live), value=True, grad=True, newton=2))(jnp.asarray(x))

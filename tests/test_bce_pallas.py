@@ -372,3 +372,23 @@ def test_the_terms_tile_is_its_value_and_gradient(opts, rng):
     np.testing.assert_allclose(g, want_g, rtol=g_tol, atol=(g_tol if tpu else 3e-7) * (kp + kq))
     if out.clean:
         assert np.all(np.asarray(out.dval)[:, 450:] == 0.0)
+
+
+@pytest.mark.tier1
+def test_sigma_takes_one_newton_step_only_where_its_gradient_is_rounded_to_16_bits():
+    """`newton_steps`: one step (2⁻¹⁶) only where G reaches the MXU in 16 bits and no bias sums it in
+    float32: 16-bit operands, or float32 at DEFAULT precision on a chip; the interpreter's float32
+    products are exact, and 'highest' keeps float32, so both take two."""
+    from recloss.bce.kernel import newton_steps
+    bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+    assert newton_steps(bf16, bf16, bias=False, interpret=False) == 1
+    assert newton_steps(bf16, bf16, bias=False, interpret=True) == 1
+    assert newton_steps(bf16, bf16, bias=True, interpret=False) == 2
+    assert newton_steps(f32, bf16, bias=False, interpret=True) == 2        # promoted to float32: exact here
+    with jax.default_matmul_precision("highest"):
+        assert newton_steps(f32, f32, bias=False, interpret=False) == 2
+        assert newton_steps(f16, f16, bias=False, interpret=False) == 2    # widened to float32 at the edge
+    with jax.default_matmul_precision("default"):
+        assert newton_steps(f32, f32, bias=False, interpret=False) == 1
+        assert newton_steps(f32, f32, bias=False, interpret=True) == 2
+        assert newton_steps(f32, f32, bias=True, interpret=False) == 2

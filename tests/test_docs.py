@@ -174,6 +174,16 @@ def _check_command(words, makefile_targets):
     Returns 'unchecked' for a program this test does not know (pip, cd, ...)."""
     import importlib.util
     prog, args = os.path.basename(words[0]), words[1:]
+    if prog == "recloss-train" and args[:1] == ["--table3"]:
+        from recloss_plugins.config.pyconfig import load_config
+        from recloss_plugins.sasrec.speed import PAPER_CONFIG, command_line
+        try:
+            parsed = command_line().parse_args(args[1:])
+        except SystemExit:
+            return f"recloss-train --table3 does not take {args[1:]}"
+        with contextlib.chdir(ROOT):
+            load_config([parsed.config or str(PAPER_CONFIG), *parsed.overrides])
+        return None
     if prog in ("recloss-train", "recloss-prepare-data"):
         from recloss_plugins.config.pyconfig import load_config
         with contextlib.chdir(ROOT):
@@ -265,6 +275,8 @@ NOT_RUN = (
     (lambda p, a: p == "recloss-maxtext-compile" or a[1:2] in (["recloss_plugins.maxtext.train"],
                                                                 ["tools.maxtext_table"]),
      "needs MaxText and a TPU compile (tests/test_maxtext_*.py)"),
+    (lambda p, a: p == "recloss-train" and a[:1] == ["--table3"],
+     "a measurement on a TPU (it refuses any other backend; tests/test_table3.py runs a tiny row on CPU)"),
     (lambda p, a: p == "pip", "installs packages"),
     (lambda p, a: p in ("python", "python3") and a[:2] == ["-m", "pytest"],
      "the suite on a TPU VM (make test runs it here, kernels interpreted)"),

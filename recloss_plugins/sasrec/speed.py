@@ -257,7 +257,8 @@ def merge(path: Path, info: dict, rows: Sequence[dict]) -> dict:
     return data
 
 
-def main(argv=None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The command line of ``recloss-train --table3`` (after that flag)."""
     parser = argparse.ArgumentParser(prog="recloss-train --table3", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=True, help="the record to write (rows merge in by key)")
@@ -270,6 +271,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the parts (default %(default)s)")
     parser.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)   # the tests' tiny rows
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every row (e.g. synthetic_num_users=2000)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = command_line()
     args = parser.parse_args(argv)
     import jax
 

@@ -73,7 +73,7 @@ class Ring(NamedTuple):
         (stay, dE, db) with dE / db this chip's own slice's full sums, home after one last shift.
         """
         # Step 0: the chip's own slice, outside the loop (inside, the own slice would be copied into
-        # the loop carry: docs/design.md "Measured choices"); its send to the neighbour starts first.
+        # the loop carry: docs/measurements.md "Measured choices"); its send to the neighbour starts first.
         e_next, b_next = self.shift(e), self.shift(b)
         stay, de, db = visit(0, e, b)
 

@@ -45,7 +45,7 @@ BLOCK_V = 2048
 # Bytes of one float32 logit tile (block_n × block_v). XLA:CPU materialises the
 # elementwise passes between the three matmuls, so the tile bounds memory; its
 # size trades matmul efficiency (D-deep products want long rows) against cache
-# (docs/design.md "Measured choices").
+# (docs/measurements.md "Measured choices").
 TILE_BYTES = 16 << 20
 
 

@@ -69,7 +69,7 @@ def gather_logits(hidden, table, bias, ids):
     dhidden[m] = Σ_l g[m,l]·table[ids[m,l]] (the rows gathered again, not saved) and
     dtable = Σ g[m,l]·hidden[m] added at ids[m,l] by `scatter_rows`, chunk by chunk of
     rows at large M, so no one scatter grows with M (autodiff's one scatter of all
-    M·L rows compiles far slower for TPU at large M; docs/design.md "Measured choices").
+    M·L rows compiles far slower for TPU at large M; docs/measurements.md "Measured choices").
     """
     return _gather(hidden, table, bias, ids)
 
@@ -117,7 +117,7 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 # scatter's operand is zeros in the table's dtype, so XLA rewrites the backward's
 # ``dE_background + dE_correction`` into the scatters applied to the background's dE
 # buffer in place: no second table-sized buffer (a lax.scan over the chunks would carry
-# one more [V_local, D]). The figures behind both: docs/design.md "Measured choices".
+# one more [V_local, D]). The figures behind both: docs/measurements.md "Measured choices".
 SCATTER_ROWS = 2048
 SCATTER_ONE_ROWS = 4096
 

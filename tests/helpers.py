@@ -132,7 +132,7 @@ def assert_close(got, ref, tol, what, floor=0.0):
 CANCEL_FLOOR = 1e-2
 
 # On a TPU backend (`make test-tpu`) the chip's float32 transcendentals are coarser than a CPU's: exp
-# within 8e-6 relative, log about 1e-5 absolute near a log-partition (docs/kernels.md). A loss that
+# within 8e-6 relative, log about 1e-5 absolute near a log-partition (docs/measurements.md). A loss that
 # cancels (V = 1, D = 1: background and correction of one target) keeps that error in absolute terms,
 # so there the floor allows this much per unit of its terms' size. Off TPU it is 0: nothing loosens.
 TPU_TRANSCENDENTAL_ERR = 3e-5

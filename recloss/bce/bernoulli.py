@@ -80,7 +80,7 @@ class Bernoulli:
         (k_q·relu(x), k_p·relu(−x), (k_q + k_p)·log1p(e)), each present only where its coefficient is not
         0: the pure-JAX sweep reduces them one by one, which XLA:CPU runs faster than their sum, and
         σ(±x) is 1/(1 + exp(∓x)) rather than from e, which lets XLA:CPU keep the loss and the gradient in
-        separate fusions without materialising e (docs/design.md "Measured choices")."""
+        separate fusions without materialising e (docs/measurements.md "Measured choices")."""
         x = x.astype(jnp.float32)
         kp, kq, gamma = self.kp, self.kq, self.gamma
         e = jnp.exp(-jnp.abs(x))
@@ -147,8 +147,7 @@ class Bernoulli:
         pos = x > 0.0
         lanes = dval = None
         if value:
-            # (a product by a coefficient of 1 is not left to the compiler: Mosaic keeps it, 3 % of the
-            # fused tile's time on a v5e)
+            # (a product by a coefficient of 1 is not left to the compiler: Mosaic keeps it; docs/measurements.md)
             scaled = lambda k, y: y if k == 1.0 else k * y
             lin = scaled(kq, jnp.where(pos, x, 0.0)) if kq else None
             if kp:

@@ -50,8 +50,7 @@ def newton_steps(a_dtype, e_dtype, *, bias: bool, interpret: bool) -> int:
     """Newton steps on σ's approximate reciprocal in the gradient tile: 1 (2⁻¹⁶ relative) where every use
     of G is rounded to 16 bits first — the MXU's one pass, for 16-bit operands or float32 ones at DEFAULT
     precision on a chip (not in the interpreter, whose float32 products are exact) — and no bias
-    gradient sums G in float32; else 2 (float32's 2⁻²⁴). The second step is 7 % of the fused tile's time
-    at the paper's shape on a v5e."""
+    gradient sums G in float32; else 2 (float32's 2⁻²⁴). The figures: docs/measurements.md."""
     cdt = jnp.promote_types(tiling.kernel_dtype(a_dtype), tiling.kernel_dtype(e_dtype))
     sixteen = jnp.dtype(cdt).itemsize < 4
     one_pass = grid.dot_precision(cdt) == jax.lax.Precision.DEFAULT and not interpret

@@ -78,7 +78,7 @@ class CutBCE(BlockedStrategy, BCEStrategy):
         step, not three times (the sweep, the target gather and its VJP); with a 16-bit table its
         gradient joins the background's while that is still float32, so the table's gradient is rounded
         once. A float32 table's gathered shard takes the correction through its own gather, whose
-        scatters XLA applies to the background's dE in place (docs/design.md "Measured choices").
+        scatters XLA applies to the background's dE in place (docs/measurements.md "Measured choices").
         reduction='none' always does."""
         opts = self.options
         scalar = opts.reduction != "none"

@@ -423,7 +423,7 @@ def _manual_data_parallel(strategy, layout: recloss.MeshLayout) -> Optional[recl
     step runs the model and the loss under its own shard_map over the batch axes
     (`recloss.MeshLayout` ``manual``) and sums the gradients with `recloss.psum_in_place`: the
     table's gradient is one buffer, reduced in place, where XLA's all-reduce of the sharded step
-    holds its operand and result (two table-sized buffers; docs/design.md "Measured choices")."""
+    holds its operand and result (two table-sized buffers; docs/measurements.md "Measured choices")."""
     if layout.table_shards > 1 or layout.batch_shards == 1 or strategy.name.startswith("dense_"):
         return None   # the dense baselines' [M, V] logits dominate their peak: the plain sharded step
     batch = tuple(a for a in layout.batch_axes if layout.axis_size(a) > 1)

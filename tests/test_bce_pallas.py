@@ -392,3 +392,23 @@ def test_sigma_takes_one_newton_step_only_where_its_gradient_is_rounded_to_16_bi
         assert newton_steps(f32, f32, bias=False, interpret=False) == 1
         assert newton_steps(f32, f32, bias=False, interpret=True) == 2
         assert newton_steps(f32, f32, bias=True, interpret=False) == 2
+
+
+@pytest.mark.tier1
+@pytest.mark.parametrize("live_cols", [1, 3, 512], ids=["lone", "three", "all"])
+def test_the_terms_tile_keeps_small_terms_to_float32_relative(live_cols, rng):
+    """Every logit well below 0 (a trained model's background: e = exp(x) from 1e-11 to 0.05): each lane's
+    log Π(1 + e) ≈ Σ e must stay within float32 of the float64 truth in relative terms, where 1 + e itself
+    keeps e only to 2⁻²⁴ absolute (a lone logit at −10.4, V = 1, was 1e-3 off when the tile took log(Π(1 + e)))."""
+    from recloss.bce.bernoulli import Bernoulli
+    term = Bernoulli.background(recloss.LossOptions())
+    x = rng.uniform(-25, -3, size=(16, 512)).astype(np.float32)
+    live = np.arange(512)[None, :] < live_cols
+    p, q, _, _ = pq_terms(x.astype(np.float64), focal_gamma=0.0)
+    want = np.where(live, term.kp * p + term.kq * q, 0.0).reshape(16, 4, 128).sum(1)
+    out = jax.jit(lambda x: term.tile(x, jnp.asarray(live), value=True, grad=False))(jnp.asarray(x))
+    got = np.asarray(out.lanes)
+    # on a chip its exp is within 8e-6 relative; off it, a lane above 2⁻⁴ takes a Newton step on its log,
+    # ~1e-7 absolute (2e-6 relative at most), and one below it a series, a few float32 ulps
+    rtol = 1e-5 if jax.default_backend() == "tpu" else 2e-6
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=0.0)

@@ -68,6 +68,12 @@ def test_off_a_tpu_it_refuses(capsys):
         pytest.skip("this host has a TPU")
     assert speed.main(["--json", "unused.json"]) == 2
     assert "measures a TPU" in capsys.readouterr().err
+    # recloss-train's entry point hands `--table3` to it, and anything else to the trainer
+    from recloss_plugins.sasrec import cli
+    assert cli.main(["--table3", "--json", "unused.json"]) == 2
+    assert "measures a TPU" in capsys.readouterr().err
+    cli.main(["--help"])
+    assert "usage: recloss-train [CONFIG.yml]" in capsys.readouterr().out
 
 
 @pytest.mark.tier2

@@ -393,9 +393,6 @@ def _report_config_changes(path: Path, cfg, say):
 # ----------------------------------------------------------------------------- entry point
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--table3"]:    # the paper's Table III on this chip (recloss_plugins.sasrec.speed)
-        from recloss_plugins.sasrec import speed
-        return speed.main(argv[1:])
     cfg, code = command_config("recloss-train", USAGE, argv)
     if cfg is None:
         return code

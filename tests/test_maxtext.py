@@ -970,12 +970,18 @@ def test_maxtext_softmax_loss_and_grads_match_maxtext_own_cross_entropy(maxtext,
     want_leaves = jax.tree_util.tree_leaves_with_path(nnx.state(want_grads, nnx.Param))
     assert len(got_leaves) == len(want_leaves) > 0
     for (path, g), (_, w) in zip(got_leaves, want_leaves):
-        scale = max(float(jnp.max(jnp.abs(w))), 1e-12)
-        # MaxText's tied output head (attend) multiplies by the table cast to bfloat16, so its own
-        # cotangent for the embedding is rounded to bfloat16 (2^-8 relative); recloss keeps float32.
-        tied = cfg.logits_via_embedding and "embedding" in jax.tree_util.keystr(path)
-        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=2 ** -8 if tied else 1e-5,
-                                   err_msg=jax.tree_util.keystr(path))
+        g, w = np.asarray(g), np.asarray(w)
+        scale = max(float(np.max(np.abs(w))), 1e-12)
+        if cfg.logits_via_embedding and "embedding" in jax.tree_util.keystr(path):
+            # MaxText's tied output head (attend) multiplies by the table cast to bfloat16, so the head's part
+            # of its embedding cotangent is rounded to bfloat16 (2^-9 relative a rounding); recloss keeps
+            # float32. That part can exceed the leaf's total (the lookup's part cancels it), so an element
+            # may differ by more than 2^-9 of the leaf's largest (seed 1376439920: 4.1e-3 at 2^-8 = 3.9e-3);
+            # over the leaf it stays near 2^-9.5 (1.2e-3 to 1.8e-3 of its norm: 6 seeds, both tied cases here).
+            assert np.linalg.norm(g - w) <= 2 ** -8 * np.linalg.norm(w), (np.linalg.norm(g - w), np.linalg.norm(w))
+            np.testing.assert_allclose(g / scale, w / scale, atol=2 ** -6, err_msg=jax.tree_util.keystr(path))
+        else:
+            np.testing.assert_allclose(g / scale, w / scale, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
 def _relative_errors(grads, ref):

@@ -7,10 +7,10 @@ STAMP  := $(VENV)/.installed
 JOBS   ?= auto
 PYTEST := -m pytest -q -n $(JOBS) --dist loadgroup
 # The test tiers (pytest markers; docs/development.md): `make test` runs the first, `make test-all` both,
-# the Python 3.12 leg the first plus every test whose result depends on the stack. TIERS overrides.
+# the Python 3.12 leg every test whose result depends on the stack (`stack`, either tier). TIERS overrides.
 TIERS_TEST   := tier1
 TIERS_ALL    := tier1 or tier2
-TIERS_PY312  := tier1 or stack
+TIERS_PY312  := stack
 
 # The second test leg: Python 3.12 at the newest jax the resolver gives, with MaxText installed for real
 # (`make test-py312`). A python3.12 on PATH that runs, else pyenv's; `make -s python312` prints it.

@@ -498,6 +498,7 @@ def _random_problem(draw):
 
 # Hypothesis draws fresh problems every run (a failing one is replayed from .hypothesis/, or with
 # RECLOSS_TEST_SEED), so a few a run cover the space over many runs.
+@pytest.mark.stack     # every strategy against the oracle on the newest stack too (docs/development.md)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @settings(max_examples=8, deadline=None)
 @given(problem=_random_problem())

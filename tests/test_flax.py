@@ -13,7 +13,8 @@ import recloss
 from helpers import strategies
 from recloss_plugins.flax import LinenMultiLabelHead, MultiLabelHead, make_loss_fn, resolve_config
 
-pytestmark = pytest.mark.tier1
+# `stack` (docs/development.md): Flax (linen and nnx) moves with jax; the newest-stack leg runs this module.
+pytestmark = [pytest.mark.tier1, pytest.mark.stack]
 
 
 try:

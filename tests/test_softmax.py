@@ -269,7 +269,8 @@ def test_strategies_agree_with_each_other(rng):
             np.testing.assert_allclose(float(o.metrics[k]), float(outs[0].metrics[k]), rtol=1e-5, err_msg=k)
 
 
-# Fresh problems every run, a few a run (as tests/test_bce.py's random search).
+# Fresh problems every run, a few a run (as tests/test_bce.py's random search); on the newest stack too.
+@pytest.mark.stack
 @settings(max_examples=6, deadline=None)
 @given(m=st.integers(1, 70), v=st.integers(2, 400), d=st.integers(1, 40), l=st.integers(1, 9),
        eps=st.sampled_from([0.0, 0.3]), lam=st.sampled_from([0.0, 0.05]), tau=st.sampled_from([1.0, 0.3]),

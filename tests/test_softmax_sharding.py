@@ -11,6 +11,10 @@ import pytest
 import recloss
 from helpers import assert_matches, make_inputs, make_layout, SOFTMAX_OPTIONS, strategies
 
+# `stack` (docs/development.md): shard_map, meshes (Auto and Explicit) and resharding change between jax
+# versions (recloss/_compat.py absorbs the renames); the newest-stack leg runs this module.
+pytestmark = pytest.mark.stack
+
 
 # The BCE meshes, and a MaxText-style mesh whose vocab axis is called 'tensor'.
 MESHES = [((8, 1, 1), {}), ((1, 8, 1), {}), ((1, 1, 8), {}), ((2, 2, 2), {}), ((4, 1, 2), {}),

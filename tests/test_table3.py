@@ -114,3 +114,61 @@ def test_a_step_past_the_chips_memory_is_recorded_with_the_compilers_words(monke
     monkeypatch.setattr(program_lib, "program_for", lambda *a, **k: Refusing("some other compile failure"))
     with pytest.raises(RuntimeError, match="some other"):
         speed.memory(cfg, [jax.devices()[0]])
+
+
+def _record(grid):
+    """A complete record of ``grid`` in the form `speed.measure` writes (made-up figures: the renderer's
+    input, not a measurement); the dense loss at the paper's vocabulary does not fit."""
+    rows = []
+    for i, r in enumerate(grid):
+        rec = dict(key=r.key, overrides=r.overrides(), steps=200, window=25)
+        if r.loss == "dense_bce" and r.vocab == speed.PAPER_V:
+            rec["error"] = f"Used {19 + i}.36G of 15.75G hbm."
+        else:
+            rec.update(steps_per_sec=10.0 + i, hbm_bytes=(1 + i) * 2**30, xla_bytes=(2 + i) * 2**30,
+                       device_step_ms=30.0 + i, loss_ms=10.0, model_ms=15.0, optimizer_ms=4.0)
+        rows.append(rec)
+    return dict(info=dict(device="TPU v5 lite", jax="0.10.2", libtpu="0.0.42.1", date="2026-12-07", steps=200,
+                          window=25, rounds=7), rows=rows)
+
+
+@pytest.mark.tier1
+def test_the_record_renders_every_row_in_the_grids_order_with_the_papers_figures():
+    grid = speed.paper_rows()
+    table = speed.format_table(_record(grid)).splitlines()
+    body = [l for l in table if l.startswith("| ") and not l.startswith("| V ")]
+    assert len(body) == len(grid)
+    for i, (r, line) in enumerate(zip(grid, body)):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[:5] == [f"{r.vocab:,}", str(r.batch), str(r.seq), f"`{r.loss}`", r.tables], (cells, r)
+        assert cells[-1] == speed.paper_figure(r)
+        if r.loss == "dense_bce" and r.vocab == speed.PAPER_V:
+            assert cells[5] == "does not fit"
+            assert f"Used {19 + i}.36G of 15.75G hbm." in "\n".join(table)
+        else:
+            assert cells[5] == f"{10.0 + i:.1f}" and cells[6] == f"{1 + i:.2f} / {2 + i:.2f}"
+    paper = {(r.batch, r.seq, r.loss): speed.paper_figure(r) for r in grid
+             if r.vocab == speed.PAPER_V and r.tables == "f32-adamw"}
+    assert paper[(8, 256, "dense_bce")] == "6.14 steps/s, 22.37 GiB"
+    assert paper[(8, 256, "cutbce_pallas")] == "20.01 steps/s, 7.67 GiB" and paper[(16, 512, "dense_bce")] == "out of memory"
+    assert not any(speed.paper_figure(r) for r in grid if r.vocab != speed.PAPER_V or r.tables != "f32-adamw")
+
+
+@pytest.mark.tier1
+def test_a_missing_or_stale_row_keeps_the_record_from_rendering():
+    grid = speed.paper_rows()
+    good = _record(grid)
+    missing = dict(good, rows=good["rows"][1:])
+    with pytest.raises(ValueError, match=f"{grid[0].key}: not recorded"):
+        speed.format_table(missing)
+    stale = json.loads(json.dumps(good))
+    stale["rows"][3]["overrides"] = stale["rows"][3]["overrides"][:-1]
+    with pytest.raises(ValueError, match=f"{grid[3].key}: recorded with overrides .* \\(stale\\)"):
+        speed.format_table(stale)
+    gone = dict(good, rows=good["rows"] + [dict(good["rows"][5], key="V=5 b=1 N=2 cutbce f32-adamw")])
+    with pytest.raises(ValueError, match="V=5 b=1 N=2 cutbce f32-adamw: recorded, but not a row"):
+        speed.format_table(gone)
+    empty = json.loads(json.dumps(good))
+    del empty["rows"][6]["steps_per_sec"]
+    assert speed.record_problems(empty) == [f"{grid[6].key}: recorded without steps/s or the compiler's error"]
+    assert speed.record_problems(good) == []

@@ -20,7 +20,8 @@ row-wise AdaGrad). For each row:
   parts, which `check_parts` holds to the device step.
 
 The record is JSON ({info, rows}); rows merge into an existing file by key, so a run of some rows
-updates only those.
+updates only those. `format_table` renders it as Markdown with the paper's own figures beside ours, and
+refuses a record that misses a row of the grid or holds a stale one (`record_problems`).
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def measure(row: Row, base: str, *, steps: int, window: int, rounds: int, extra:
     from recloss_plugins.sasrec.train import train
 
     devices = list(jax.devices()[:1] if devices is None else devices)
-    rec = dict(key=row.key, **dataclasses.asdict(row), steps=steps, window=window)
+    rec = dict(key=row.key, **dataclasses.asdict(row), overrides=row.overrides(), steps=steps, window=window)
     t0 = time.perf_counter()
     lines: List[str] = []
     with tempfile.TemporaryDirectory(prefix="recloss-table3-run-") as tmp:
@@ -255,6 +256,80 @@ def merge(path: Path, info: dict, rows: Sequence[dict]) -> dict:
     data["info"] = info
     path.write_text(json.dumps(data, indent=1) + "\n")
     return data
+
+
+# The paper's own figures (its Table III's text: SASRec on Yambda-50M, float32 and AdamW, an 8-chip TPU v6e
+# slice of 32 GiB a chip, data parallel): per-chip batch 8 and N = 256 for both losses; at batch 16 or
+# N = 512 its dense BCE ran out of memory and CutBCE took 7.89-8.94 GiB a chip (no speed given).
+PAPER_CHIP = "TPU v6e-8 (32 GiB a chip)"
+
+
+def paper_figure(row: Row) -> str:
+    """The paper's figure for ``row`` ('' where it gives none: other table modes, the small vocabulary,
+    the softmax loss)."""
+    if row.vocab != PAPER_V or row.tables != "f32-adamw" or row.loss == "cutce_pallas":
+        return ""
+    first = row.batch == 8 and row.seq == 256
+    if row.loss == "dense_bce":
+        return "6.14 steps/s, 22.37 GiB" if first else "out of memory"
+    return "20.01 steps/s, 7.67 GiB" if first else "7.89–8.94 GiB"
+
+
+def record_problems(payload: dict, grid: Optional[Sequence[Row]] = None) -> List[str]:
+    """What keeps the record ``payload`` ({info, rows}) from rendering the grid (`paper_rows`): a row of
+    the grid not recorded, a recorded row the grid no longer has, or one recorded with other overrides
+    than its row's today (stale), or one with neither steps/s nor the compiler's error."""
+    grid = list(paper_rows() if grid is None else grid)
+    want = {r.key: r for r in grid}
+    have = {r.get("key"): r for r in payload.get("rows", [])}
+    out = [f"{k}: not recorded" for k in want if k not in have]
+    for k, rec in have.items():
+        if k not in want:
+            out.append(f"{k}: recorded, but not a row of the grid any more (stale)")
+        elif rec.get("overrides") != want[k].overrides():
+            out.append(f"{k}: recorded with overrides {rec.get('overrides')}, the row's are {want[k].overrides()} "
+                       f"(stale)")
+        elif rec.get("steps_per_sec") is None and not rec.get("error"):
+            out.append(f"{k}: recorded without steps/s or the compiler's error")
+    return out
+
+
+def _gib(n) -> str:
+    return "–" if n is None else f"{n / 2**30:.2f}"
+
+
+def format_table(payload: dict, grid: Optional[Sequence[Row]] = None) -> str:
+    """The record as a Markdown table in the grid's order, the paper's figure beside each row it gives
+    one for, and the compiler's words under it for a row that does not fit. Raises ValueError naming every
+    `record_problems` entry (and the command that writes the record)."""
+    grid = list(paper_rows() if grid is None else grid)
+    problems = record_problems(payload, grid)
+    if problems:
+        raise ValueError("the Table III record cannot render: " + "; ".join(problems)
+                         + ". Record the rows on a TPU host with `recloss-train --table3 --json FILE --rows ...`")
+    info, have = payload.get("info", {}), {r["key"]: r for r in payload["rows"]}
+    lines = [f"{info.get('device', 'TPU')}, jax {info.get('jax', '?')}, libtpu {info.get('libtpu', '?')}, "
+             f"{info.get('date', '?')}: {info.get('steps', '?')} steps a row, steps/s the median of the "
+             f"{info.get('window', '?')}-step windows after the first; the parts are medians of "
+             f"{info.get('rounds', '?')} interleaved rounds.", "",
+             "| V | batch a chip | N | loss | tables | steps/s | GiB a chip (memory_analysis / XLA) "
+             "| step ms | loss ms | model ms | optimizer ms | the paper, " + PAPER_CHIP + " |",
+             "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    errors = []
+    for row in grid:
+        rec = have[row.key]
+        if rec.get("error"):
+            errors.append(f"- V = {row.vocab:,}, batch {row.batch}, N = {row.seq}, {row.loss}, {row.tables}: "
+                          f"{rec['error']}")
+            cells = ["does not fit", "–", "–", "–", "–", "–"]
+        else:
+            cells = [f"{rec['steps_per_sec']:.1f}", f"{_gib(rec.get('hbm_bytes'))} / {_gib(rec.get('xla_bytes'))}",
+                     *(f"{rec[k]:.2f}" for k in ("device_step_ms", "loss_ms", "model_ms", "optimizer_ms"))]
+        lines.append(f"| {row.vocab:,} | {row.batch} | {row.seq} | `{row.loss}` | {row.tables} | "
+                     + " | ".join(cells) + f" | {paper_figure(row)} |")
+    if errors:
+        lines += ["", "Rows that do not fit, in the compiler's words:", "", *errors]
+    return "\n".join(lines)
 
 
 def command_line() -> argparse.ArgumentParser:

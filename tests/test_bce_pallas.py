@@ -410,7 +410,12 @@ def test_the_terms_tile_keeps_small_terms_to_float32_relative(live_cols, rng):
     want = np.where(live, term.kp * p + term.kq * q, 0.0).reshape(16, 4, 128).sum(1)
     out = jax.jit(lambda x: term.tile(x, jnp.asarray(live), value=True, grad=False))(jnp.asarray(x))
     got = np.asarray(out.lanes)
-    # on a chip its exp is within 8e-6 relative; off it, a lane above 2⁻⁴ takes a Newton step on its log,
-    # ~1e-7 absolute (2e-6 relative at most), and one below it a series, a few float32 ulps
-    rtol = 1e-5 if jax.default_backend() == "tpu" else 2e-6
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=0.0)
+    # A lane whose q is below 2⁻⁴ takes a series, exact float32 operations on e: a few ulps off a chip, on
+    # one the chip's exp error (8e-6 relative). One above it takes a Newton step on its log,
+    # y + (Π·exp(−y) − 1), whose residual carries exp's relative error into y as an absolute one: ~1e-7
+    # off a chip, up to 8e-6 on one (2.8e-6 measured on a v5e: 3.2e-5 relative at y = 0.086).
+    tpu = jax.default_backend() == "tpu"
+    series = np.expm1(want) < 2.0 ** -4 * (1 - 1e-6)     # the tile's choice is on q = Π(1 + e) − 1
+    np.testing.assert_allclose(got[series], want[series], rtol=1e-5 if tpu else 2e-6, atol=0.0)
+    atol = 8e-6 if tpu else 2e-7
+    np.testing.assert_allclose(got[~series], want[~series], rtol=2e-6, atol=atol)

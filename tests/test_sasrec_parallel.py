@@ -123,6 +123,13 @@ def test_largest_fitting_batch_with_compile_ooms():
                        "Ran out of memory in memory space hbm. Used 31.28G of 31.25G hbm.")
     assert aot.compile_oom(err) == "Used 31.28G of 31.25G hbm"
     assert aot.compile_oom(ValueError("shapes do not match")) is None
+    # another wording keeps its first line naming the failure (a record said only "out of HBM")
+    other = RuntimeError("jaxlib error\nRESOURCE_EXHAUSTED: Ran out of memory in memory space hbm: 19.36G "
+                         "requested, 15.75G available\n  more")
+    assert aot.compile_oom(other) == ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm: 19.36G "
+                                      "requested, 15.75G available")
+    long = aot.compile_oom(RuntimeError("RESOURCE_EXHAUSTED: " + "x" * 1000))
+    assert len(long) == aot.OOM_WORDS and long.endswith("…")
 
 
 @pytest.mark.tier2

@@ -65,12 +65,19 @@ def compile_eval(program, dump_to: Optional[str] = None):
 
 def compile_oom(err: Exception) -> Optional[str]:
     """The compiler's words when ``err`` is a compile-time HBM OOM ("Used 31.28G of 31.25G
-    hbm"), else None."""
+    hbm", or the error's first line naming it, at most `OOM_WORDS` characters), else None."""
     text = str(err)
     if "RESOURCE_EXHAUSTED" not in text and "HbmOom" not in text:
         return None
     m = re.search(r"Used [0-9.]+[KMGT]i?B? of [0-9.]+[KMGT]i?B? hbm", text)
-    return m.group(0) if m else "out of HBM"
+    if m:
+        return m.group(0)
+    # Other wordings (a chip's own compile): its first line that names the failure, cut to OOM_WORDS.
+    line = next((x.strip() for x in text.splitlines() if "RESOURCE_EXHAUSTED" in x or "HbmOom" in x), text)
+    return line if len(line) <= OOM_WORDS else line[:OOM_WORDS - 1] + "…"
+
+
+OOM_WORDS = 400
 
 
 def largest_fitting_batch(measure: Callable[[int], float], budget: float, unit: int, start: int,

@@ -12,7 +12,8 @@ row-wise AdaGrad). For each row:
 - **memory**: the train step compiled for this chip: per-chip bytes by `memory_analysis` (arguments +
   outputs + temporaries − aliased) and by XLA's own count (`recloss.aot.hbm_bytes`); a step that does not
   fit gives the compiler's words instead, and the row's other figures are absent;
-- **parts** (timed, medians of ``--rounds`` interleaved rounds, each program compiled on its own): the
+- **parts** (timed, medians of ``--rounds`` interleaved rounds of `CHAINED_CALLS` calls dispatched back
+  to back, as the training loop dispatches its steps; each program compiled on its own): the
   compiled train step alone on one batch ("device step"), the loss's forward and backward (the strategy
   on the model's hidden states, its table and bias), the rest of the model's forward and backward (its
   parameters' gradients through a stand-in loss ⟨hidden, C⟩ for a fixed random C), and the optimizer
@@ -136,19 +137,27 @@ def memory(cfg, devices):
     return dict(hbm_bytes=int(rep["total"]), temp_bytes=int(rep["temp"]), xla_bytes=xla), program
 
 
-def _median_ms(fn: Callable, rounds: int) -> List[float]:
+# Calls a part's timing chains before it waits for the last: the training loop dispatches steps ahead of
+# the device, so its steps/s holds no host round trip, and neither should a part (one call waited on alone
+# adds ~0.8-0.9 ms on a v5e: a row's device step then exceeded 1/steps/s by that much, and the three
+# parts' sum the step by 12-43 % on 8 December).
+CHAINED_CALLS = 8
+
+
+def _chained_ms(fn: Callable, calls: int = CHAINED_CALLS) -> float:
+    """ms a call of ``fn`` over ``calls`` calls dispatched back to back, the last one waited on."""
     import jax
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(1e3 * (time.perf_counter() - t0))
-    return out
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+        out = fn()
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - t0) / calls
 
 
 def parts(program, state, rounds: int, seed: int = 0) -> Dict[str, float]:
-    """The device step and its three parts at ``program``'s shapes and ``state``'s values, medians of
-    ``rounds`` interleaved rounds (ms)."""
+    """The device step and its three parts at ``program``'s shapes and ``state``'s values (ms): medians of
+    ``rounds`` interleaved rounds, each round's figure a call's share of `CHAINED_CALLS` chained calls."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -206,7 +215,7 @@ def parts(program, state, rounds: int, seed: int = 0) -> Dict[str, float]:
     names = list(fns)
     for _ in range(rounds):
         for i in order.permutation(len(names)):
-            times[names[i]] += _median_ms(fns[names[i]], 1)
+            times[names[i]].append(_chained_ms(fns[names[i]]))
     return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
 

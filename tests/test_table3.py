@@ -126,7 +126,9 @@ def _record(grid):
             rec["error"] = f"Used {19 + i}.36G of 15.75G hbm."
         else:
             rec.update(steps_per_sec=10.0 + i, hbm_bytes=(1 + i) * 2**30, xla_bytes=(2 + i) * 2**30,
-                       device_step_ms=30.0 + i, loss_ms=10.0, model_ms=15.0, optimizer_ms=4.0)
+                       device_step_ms=30.0 + i, loss_ms=10.0, model_ms=15.0, optimizer_ms=4.0,
+                       parts_sum_ms=29.0, parts_calls=speed.CHAINED_CALLS)
+            rec["parts_check"] = speed.check_parts(rec)
         rows.append(rec)
     return dict(info=dict(device="TPU v5 lite", jax="0.10.2", libtpu="0.0.42.1", date="2026-12-07", steps=200,
                           window=25, rounds=7), rows=rows)
@@ -147,6 +149,9 @@ def test_the_record_renders_every_row_in_the_grids_order_with_the_papers_figures
             assert f"Used {19 + i}.36G of 15.75G hbm." in "\n".join(table)
         else:
             assert cells[5] == f"{10.0 + i:.1f}" and cells[6] == f"{1 + i:.2f} / {2 + i:.2f}"
+            ratio = 29.0 / (30.0 + i)      # the parts' sum over the step, marked past 10 %
+            assert cells[11] == f"{ratio:.2f}×" + (" (off)" if ratio < 0.9 else ""), (cells, i)
+    assert f"each a call's share of {speed.CHAINED_CALLS} chained calls" in table[0]
     paper = {(r.batch, r.seq, r.loss): speed.paper_figure(r) for r in grid
              if r.vocab == speed.PAPER_V and r.tables == "f32-adamw"}
     assert paper[(8, 256, "dense_bce")] == "6.14 steps/s, 22.37 GiB"
@@ -172,3 +177,29 @@ def test_a_missing_or_stale_row_keeps_the_record_from_rendering():
     del empty["rows"][6]["steps_per_sec"]
     assert speed.record_problems(empty) == [f"{grid[6].key}: recorded without steps/s or the compiler's error"]
     assert speed.record_problems(good) == []
+
+
+@pytest.mark.tier1
+def test_the_short_table_holds_the_papers_point_and_refuses_what_the_long_one_does():
+    grid = speed.paper_rows()
+    good = _record(grid)
+    short = speed.format_short(good).splitlines()
+    body = [l for l in short if l.startswith("| `")]
+    want = [r for r in grid if r.vocab == speed.PAPER_V and r.batch == 8 and r.seq == 256]
+    assert len(body) == len(want) == 8
+    have = {r["key"]: r for r in good["rows"]}
+    for r, line in zip(want, body):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rec = have[r.key]
+        assert cells[:2] == [f"`{r.loss}`", r.tables] and cells[-1] == speed.paper_figure(r)
+        assert cells[2:4] == (["does not fit", "–"] if "error" in rec
+                              else [f"{rec['steps_per_sec']:.1f}", f"{rec['xla_bytes'] / 2**30:.2f}"])
+    with pytest.raises(ValueError, match="not recorded"):
+        speed.format_short(dict(good, rows=good["rows"][:-1]))      # a row off its own point counts too
+    # a record of a part of the grid renders against that part (docs/figures' TABLE3_ROWS)
+    part = speed.select(grid, "b=8 ,N=256")
+    speed.format_short(_record(part), part)
+    old = json.loads(json.dumps(_record(part)))
+    for r in old["rows"]:
+        r.pop("parts_calls", None)
+    assert "each call waited on alone" in speed.format_table(old, part).splitlines()[0]

@@ -259,7 +259,23 @@ def _chip_formatter(name: str) -> Callable[[dict], str]:
 
 
 _SUITE = "recloss-bench --chip --json docs/figures/tpu/v5e-suite.json"
+_TABLE3 = "recloss-train --table3 --json docs/figures/tpu/v5e-table3.json --rows ROWS"
+# The rows of Table III's grid recorded so far (8 December: batch 8, N = 256, both V); batch 16 and
+# N = 512 at V = 876,939 are owed (issue 61), and with them this restriction goes.
+TABLE3_ROWS = "b=8 ,N=256"
+
+
+def _table3_formatter(name: str) -> Callable[[dict], str]:
+    def render(payload: dict) -> str:
+        from recloss_plugins.sasrec import speed
+        return getattr(speed, name)(payload, speed.select(speed.paper_rows(), TABLE3_ROWS))
+    return render
+
+
 CHIP_RECORDS: Dict[str, ChipRecord] = {
+    # The paper's Table III on one v5e: the trainer's steps/s, per-chip HBM and the step's parts.
+    "tpu-v5e-table3": ChipRecord("tpu/v5e-table3.json", _TABLE3, _table3_formatter("format_table")),
+    "tpu-v5e-table3-short": ChipRecord("tpu/v5e-table3.json", _TABLE3, _table3_formatter("format_short")),
     # Timed on one real TPU v5e chip: `make test-tpu` and the suite ran there (docs/kernels.md).
     "tpu-v5e-suite": ChipRecord("tpu/v5e-suite.json", _SUITE, _chip_formatter("format_table")),
     "tpu-v5e-suite-summary": ChipRecord("tpu/v5e-suite.json", _SUITE, _chip_formatter("format_summary")),

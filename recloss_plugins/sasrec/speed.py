@@ -245,6 +245,7 @@ def measure(row: Row, base: str, *, steps: int, window: int, rounds: int, extra:
     rec.update(parts(result.program, result.state, rounds))
     rec["parts_sum_ms"] = round(rec["loss_ms"] + rec["model_ms"] + rec["optimizer_ms"], 3)
     rec["parts_check"] = check_parts(rec)
+    rec["parts_calls"] = CHAINED_CALLS
     rec["wall_s"] = round(time.perf_counter() - t0, 1)
     xla = "-" if rec["xla_bytes"] is None else f"{rec['xla_bytes'] / 2**30:.2f}"
     log(f"[table3] {row.key}: {rec['steps_per_sec']} steps/s, {rec['hbm_bytes'] / 2**30:.2f} GiB (XLA {xla}); "
@@ -320,24 +321,57 @@ def format_table(payload: dict, grid: Optional[Sequence[Row]] = None) -> str:
     lines = [f"{info.get('device', 'TPU')}, jax {info.get('jax', '?')}, libtpu {info.get('libtpu', '?')}, "
              f"{info.get('date', '?')}: {info.get('steps', '?')} steps a row, steps/s the median of the "
              f"{info.get('window', '?')}-step windows after the first; the parts are medians of "
-             f"{info.get('rounds', '?')} interleaved rounds.", "",
+             f"{info.get('rounds', '?')} interleaved rounds{_parts_timing(payload['rows'])}; parts ÷ step is "
+             f"their sum over the device step (marked where it is off by more than {PARTS_TOLERANCE:.0%}).", "",
              "| V | batch a chip | N | loss | tables | steps/s | GiB a chip (memory_analysis / XLA) "
-             "| step ms | loss ms | model ms | optimizer ms | the paper, " + PAPER_CHIP + " |",
-             "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| step ms | loss ms | model ms | optimizer ms | parts ÷ step | the paper, " + PAPER_CHIP + " |",
+             "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     errors = []
     for row in grid:
         rec = have[row.key]
         if rec.get("error"):
             errors.append(f"- V = {row.vocab:,}, batch {row.batch}, N = {row.seq}, {row.loss}, {row.tables}: "
                           f"{rec['error']}")
-            cells = ["does not fit", "–", "–", "–", "–", "–"]
+            cells = ["does not fit", "–", "–", "–", "–", "–", "–"]
         else:
+            ratio = rec["parts_sum_ms"] / rec["device_step_ms"]
             cells = [f"{rec['steps_per_sec']:.1f}", f"{_gib(rec.get('hbm_bytes'))} / {_gib(rec.get('xla_bytes'))}",
-                     *(f"{rec[k]:.2f}" for k in ("device_step_ms", "loss_ms", "model_ms", "optimizer_ms"))]
+                     *(f"{rec[k]:.2f}" for k in ("device_step_ms", "loss_ms", "model_ms", "optimizer_ms")),
+                     f"{ratio:.2f}×" + (" (off)" if rec.get("parts_check") else "")]
         lines.append(f"| {row.vocab:,} | {row.batch} | {row.seq} | `{row.loss}` | {row.tables} | "
                      + " | ".join(cells) + f" | {paper_figure(row)} |")
     if errors:
         lines += ["", "Rows that do not fit, in the compiler's words:", "", *errors]
+    return "\n".join(lines)
+
+
+def _parts_timing(rows) -> str:
+    """How the record's parts were timed: rows before `CHAINED_CALLS` waited on each call alone."""
+    calls = {r.get("parts_calls") for r in rows if not r.get("error")}
+    if calls == {None}:
+        return ", each call waited on alone (host round trip included)"
+    if None in calls:
+        return ", some rows' calls waited on alone (host round trip included), the rest chained"
+    return f", each a call's share of {'/'.join(str(c) for c in sorted(calls))} chained calls"
+
+
+def format_short(payload: dict, grid: Optional[Sequence[Row]] = None) -> str:
+    """The README's short version of `format_table`: steps/s and GiB a chip (XLA's count) by loss and table
+    mode at the paper's V, batch 8, N = 256, with the paper's figures."""
+    grid = list(paper_rows() if grid is None else grid)
+    problems = record_problems(payload, grid)
+    grid = [r for r in grid if r.vocab == PAPER_V and r.batch == 8 and r.seq == 256]
+    if problems:
+        raise ValueError("the Table III record cannot render: " + "; ".join(problems))
+    info, have = payload.get("info", {}), {r["key"]: r for r in payload["rows"]}
+    lines = [f"SASRec (the paper's model: 3 layers, D = 256, N = 256, batch 8) at V = {PAPER_V:,} on one "
+             f"{info.get('device', 'TPU')} ({info.get('date', '?')}), the paper's {PAPER_CHIP} beside it:", "",
+             "| loss | tables | steps/s | GiB a chip | the paper |", "|---|---|---:|---:|---|"]
+    for row in grid:
+        rec = have[row.key]
+        cells = (["does not fit", "–"] if rec.get("error")
+                 else [f"{rec['steps_per_sec']:.1f}", _gib(rec.get("xla_bytes") or rec.get("hbm_bytes"))])
+        lines.append(f"| `{row.loss}` | {row.tables} | " + " | ".join(cells) + f" | {paper_figure(row)} |")
     return "\n".join(lines)
 
 

@@ -14,7 +14,8 @@ loop over row sub-tiles of ``bs`` rows:
     lanes, G' = Bernoulli.tile(X)          the term's one formula at its least work (γ = 0: one exp a
                                            logit, a refined approximate reciprocal, a log a lane)
     bg_s += lanes ; counts_s += Σ_lanes [X > threshold]
-    G = G'·r_s ; dA_s += G E_j ; dE_j += Gᵀ A_s ; db_j += Σ_rows G
+    G = G'·r_s ; dA_s += G E_j ; dE_j += Gᵀ A_s ; db_j += Σ_rows G      (float32 products and no bias:
+                                           r_s on dA_s's rows and on A_s instead of on G)
 
 and writes dE_j, db_j once. Columns past V_local (a partial last block reads
 unspecified memory) or at global ids ≥ vocab_size are masked with iota;
@@ -77,7 +78,7 @@ def _spec(mode: str, opts: LossOptions, bv: int, newton: int = 2) -> grid.Spec:
                     hit = hit & st.live
                 ref["cnt"][rows, :] += grid.lane_fold(jnp.where(hit, 1.0, 0.0))
         if grad:
-            st.grad(out.dval * ref["r"][rows, :], clean=out.clean)
+            st.grad(out.dval, clean=out.clean, row_scale=ref["r"][rows, :])
 
     row_out = ([grid.RowOut("bg")] if loss else []) + ([grid.RowOut("cnt")] if count else [])
     return grid.Spec(f"cutbce_{mode}", grad, tuple(row_out), tile, flops={"fused": 6, "loss": 2, "grad": 6}[mode],

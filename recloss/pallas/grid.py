@@ -68,8 +68,9 @@ class RowOut(NamedTuple):
 
 class Products(NamedTuple):
     """How a kernel's tile gets its logits from the MXU and gives G back: ``logits(a_s, e_blk,
-    precision) -> X`` [bs, bv] f32 and ``grads(ref, rows, a_s, e_blk, gc, acc, precision)``, which adds
-    G E_j to dA's rows and Gᵀ A_s to the block's dE accumulator ``acc`` (gc: G in the compute dtype).
+    precision) -> X`` [bs, bv] f32 and ``grads(ref, rows, a_s, e_blk, gc, acc, precision, rs)``, which adds
+    G E_j to dA's rows and Gᵀ A_s to the block's dE accumulator ``acc`` (gc: G in the compute dtype), each
+    with G's rows scaled by ``rs`` [bs, 1] f32 when it is not None (`Step.grad`'s ``row_scale``).
     The kernels' is `MXU`; a roofline probe of the elementwise work alone swaps in stand-ins
     (`probe`)."""
     logits: Callable
@@ -81,8 +82,12 @@ def _mxu_logits(a_s, e_blk, precision):
                                preferred_element_type=jnp.float32)
 
 
-def _mxu_grads(ref, rows, a_s, e_blk, gc, acc, precision):
-    ref["da"][rows, :] += jnp.dot(gc, e_blk, precision=precision, preferred_element_type=jnp.float32)
+def _mxu_grads(ref, rows, a_s, e_blk, gc, acc, precision, rs=None):
+    da = jnp.dot(gc, e_blk, precision=precision, preferred_element_type=jnp.float32)
+    if rs is not None:          # diag(r) G E_j and Gᵀ diag(r) A_s: r on [bs, Dp] operands, not on G
+        da = da * rs
+        a_s = (a_s.astype(jnp.float32) * rs).astype(a_s.dtype)
+    ref["da"][rows, :] += da
     acc[...] += jax.lax.dot_general(gc, a_s, (((0,), (0,)), ((), ())), precision=precision,
                                     preferred_element_type=jnp.float32)
 
@@ -113,9 +118,10 @@ def _standin_logits(a_s, e_blk, precision):
     return a_s[:, :1].astype(jnp.float32) + e_blk[:1, :1].astype(jnp.float32) * lanes
 
 
-def _lane_grads(ref, rows, a_s, e_blk, gc, acc, precision):
+def _lane_grads(ref, rows, a_s, e_blk, gc, acc, precision, rs=None):
     """G kept live without the MXU: summed into dA's first 128 lanes (dE stays 0)."""
-    ref["da"][rows, :tiling.LANES] += lane_fold(gc.astype(jnp.float32))
+    folded = lane_fold(gc.astype(jnp.float32))
+    ref["da"][rows, :tiling.LANES] += folded if rs is None else folded * rs
 
 
 def probe(spec: Spec, kind: str) -> Spec:
@@ -158,11 +164,14 @@ class Step:
         self.block, self.off_ref, self.slope = block, off_ref, slope
         self._grad = grad
 
-    def grad(self, g, *, clean: bool = False):
+    def grad(self, g, *, clean: bool = False, row_scale=None):
         """dA_s += G E_j, dE_j += Gᵀ A_s, db_j += Σ_rows G for G [bs, bv] f32 = ∂ℓ/∂x (times `slope`,
         the chain through the soft cap, when there is one; dead columns zeroed unless ``clean``: G is 0
-        there already)."""
-        self._grad(self, g, clean)
+        there already), each row of G times ``row_scale`` [bs, 1] f32 when given. The grid applies that
+        scale to dA's rows after G E_j and to A_s before Gᵀ A_s (2·bs·Dp products, not bs·bv) where the
+        products are float32 and no bias gradient sums G; elsewhere to G (a 16-bit A_s·r would be
+        rounded a second time)."""
+        self._grad(self, g, clean, row_scale)
 
 
 class _Geometry(NamedTuple):
@@ -252,15 +261,17 @@ def _kernel(spec: Spec, t: tiling.Tiling, g: _Geometry, ref_names, *, v_local: i
     nsub = t.bn // bs
     inits = list(spec.row_out) + ([RowOut("da")] if grad else [])
 
-    def add_grad(step, gr, clean):
+    def add_grad(step, gr, clean, rs):
         ref = step.ref
+        if rs is not None and (has_bias or jnp.dtype(g.cdt) != jnp.float32):
+            gr, rs = gr * rs, None
         if step.slope is not None:
             gr = gr * step.slope
         if step.live is not None and (not clean or step.slope is not None):
             # (a dead column's cap slope is of unspecified memory past the table: it can be NaN)
             gr = jnp.where(step.live, gr, 0.0)
         acc = ref["de_acc"] if de_scratch else ref["de"]
-        spec.products.grads(ref, step.rows, step.a, step.e, gr.astype(g.cdt), acc, g.precision)
+        spec.products.grads(ref, step.rows, step.a, step.e, gr.astype(g.cdt), acc, g.precision, rs)
         if has_bias:
             ref["db"][...] += jnp.sum(gr, axis=0, keepdims=True)
 

@@ -73,9 +73,12 @@ def _spec(mode: str, opts: LossOptions, bv: int, newton: int = 2) -> grid.Spec:
         if loss:
             ref["bg"][rows, :] += out.lanes
             if count:    # x > threshold; a dead column is not counted
-                hit = st.x > threshold
-                if st.live is not None:
-                    hit = hit & st.live
+                if threshold == 0.0 and out.positive is not None:
+                    hit = out.positive          # the term's own x > 0, false at dead columns: 2 ops a logit less
+                else:
+                    hit = st.x > threshold
+                    if st.live is not None:
+                        hit = hit & st.live
                 ref["cnt"][rows, :] += grid.lane_fold(jnp.where(hit, 1.0, 0.0))
         if grad:
             st.grad(out.dval, clean=out.clean, row_scale=ref["r"][rows, :])

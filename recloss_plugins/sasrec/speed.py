@@ -58,6 +58,11 @@ class Row:
     tables: str      # a key of TABLES
 
     @property
+    def at_papers_point(self) -> bool:
+        """The paper's own V, per-chip batch 8 and N = 256 (where its text gives steps/s)."""
+        return self.vocab == PAPER_V and self.batch == 8 and self.seq == 256
+
+    @property
     def key(self) -> str:
         return f"V={self.vocab} b={self.batch} N={self.seq} {self.loss} {self.tables}"
 
@@ -279,7 +284,7 @@ def paper_figure(row: Row) -> str:
     the softmax loss)."""
     if row.vocab != PAPER_V or row.tables != "f32-adamw" or row.loss == "cutce_pallas":
         return ""
-    first = row.batch == 8 and row.seq == 256
+    first = row.at_papers_point
     if row.loss == "dense_bce":
         return "6.14 steps/s, 22.37 GiB" if first else "out of memory"
     return "20.01 steps/s, 7.67 GiB" if first else "7.89–8.94 GiB"
@@ -308,16 +313,22 @@ def _gib(n) -> str:
     return "–" if n is None else f"{n / 2**30:.2f}"
 
 
-def format_table(payload: dict, grid: Optional[Sequence[Row]] = None) -> str:
-    """The record as a Markdown table in the grid's order, the paper's figure beside each row it gives
-    one for, and the compiler's words under it for a row that does not fit. Raises ValueError naming every
-    `record_problems` entry (and the command that writes the record)."""
+def _renderable(payload: dict, grid: Optional[Sequence[Row]]):
+    """(grid, info, {key: row}) of a record that renders ``grid`` (default `paper_rows`); raises ValueError
+    naming every `record_problems` entry and the command that writes the record."""
     grid = list(paper_rows() if grid is None else grid)
     problems = record_problems(payload, grid)
     if problems:
         raise ValueError("the Table III record cannot render: " + "; ".join(problems)
                          + ". Record the rows on a TPU host with `recloss-train --table3 --json FILE --rows ...`")
-    info, have = payload.get("info", {}), {r["key"]: r for r in payload["rows"]}
+    return grid, payload.get("info", {}), {r["key"]: r for r in payload["rows"]}
+
+
+def format_table(payload: dict, grid: Optional[Sequence[Row]] = None) -> str:
+    """The record as a Markdown table in the grid's order, the paper's figure beside each row it gives
+    one for, and the compiler's words under it for a row that does not fit. Raises ValueError naming every
+    `record_problems` entry (and the command that writes the record)."""
+    grid, info, have = _renderable(payload, grid)
     lines = [f"{info.get('device', 'TPU')}, jax {info.get('jax', '?')}, libtpu {info.get('libtpu', '?')}, "
              f"{info.get('date', '?')}: {info.get('steps', '?')} steps a row, steps/s the median of the "
              f"{info.get('window', '?')}-step windows after the first; the parts are medians of "
@@ -357,17 +368,12 @@ def _parts_timing(rows) -> str:
 
 def format_short(payload: dict, grid: Optional[Sequence[Row]] = None) -> str:
     """The README's short version of `format_table`: steps/s and GiB a chip (XLA's count) by loss and table
-    mode at the paper's V, batch 8, N = 256, with the paper's figures."""
-    grid = list(paper_rows() if grid is None else grid)
-    problems = record_problems(payload, grid)
-    grid = [r for r in grid if r.vocab == PAPER_V and r.batch == 8 and r.seq == 256]
-    if problems:
-        raise ValueError("the Table III record cannot render: " + "; ".join(problems))
-    info, have = payload.get("info", {}), {r["key"]: r for r in payload["rows"]}
+    mode at the paper's V, batch 8, N = 256, with the paper's figures. Refuses what `format_table` refuses."""
+    grid, info, have = _renderable(payload, grid)
     lines = [f"SASRec (the paper's model: 3 layers, D = 256, N = 256, batch 8) at V = {PAPER_V:,} on one "
              f"{info.get('device', 'TPU')} ({info.get('date', '?')}), the paper's {PAPER_CHIP} beside it:", "",
              "| loss | tables | steps/s | GiB a chip | the paper |", "|---|---|---:|---:|---|"]
-    for row in grid:
+    for row in filter(lambda r: r.at_papers_point, grid):
         rec = have[row.key]
         cells = (["does not fit", "–"] if rec.get("error")
                  else [f"{rec['steps_per_sec']:.1f}", _gib(rec.get("xla_bytes") or rec.get("hbm_bytes"))])
